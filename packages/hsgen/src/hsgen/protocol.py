@@ -1,0 +1,392 @@
+"""vLLM's hidden-state extraction protocol: request bodies, responses, files, locks, layer ids.
+
+Standard library only. Both the reference server (``hsgen.serve``) and the client
+(``hsgen.client``) speak through this module, so the wire format is written down once.
+The facts mirror vLLM 0.18 - 0.33 running ``--speculative_config '{"method":
+"extract_hidden_states", ...}'`` with ``ExampleHiddenStatesConnector``; see ``docs/serve.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO
+
+LOCK_SUFFIX = ".lock"
+"""vLLM >= 0.22 holds ``flock(LOCK_EX)`` on ``<file>.lock`` while it writes ``<file>``."""
+
+DEFAULT_SHARED_STORAGE_PATH = "/tmp"
+"""``kv_connector_extra_config.shared_storage_path`` when not given."""
+
+HIDDEN_STATES_KEY = "hidden_states"
+TOKEN_IDS_KEY = "token_ids"
+
+SAFETENSORS_DTYPES: dict[str, tuple[str, int]] = {
+    "BF16": ("bfloat16", 2),
+    "F16": ("float16", 2),
+    "F32": ("float32", 4),
+    "F64": ("float64", 8),
+    "I64": ("int64", 8),
+    "I32": ("int32", 4),
+    "U8": ("uint8", 1),
+    "BOOL": ("bool", 1),
+    "F8_E4M3": ("float8_e4m3fn", 1),
+}
+"""safetensors dtype tag -> (logical dtype name, bytes per element)."""
+
+LOGICAL_TO_SAFETENSORS = {name: tag for tag, (name, _) in SAFETENSORS_DTYPES.items()}
+
+_REQUEST_ID_OK = re.compile(r"^[^/\x00]+$")
+
+
+class ProtocolError(ValueError):
+    """A response, file or header that does not follow vLLM's extraction protocol."""
+
+
+# --------------------------------------------------------------------------- requests
+
+
+def completion_request(
+    model: str,
+    prompt_token_ids: Sequence[int],
+    *,
+    include_output_tokens: bool = False,
+    hidden_states_path: str | None = None,
+) -> dict[str, Any]:
+    """Body of ``POST /v1/completions`` asking for the hidden states of one tokenized prompt.
+
+    One prompt per request: vLLM returns ``kv_transfer_params`` for the first prompt only.
+    ``max_tokens`` is 1 because the extraction runs as a one-token "speculative" pass.
+    """
+    if len(prompt_token_ids) == 0:
+        raise ValueError("prompt_token_ids is empty: vLLM rejects an empty decoder prompt")
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": [int(t) for t in prompt_token_ids],
+        "max_tokens": 1,
+        "n": 1,
+        "temperature": 0.0,
+        "return_token_ids": True,
+    }
+    params = _kv_transfer_params(include_output_tokens, hidden_states_path)
+    if params:
+        body["kv_transfer_params"] = params
+    return body
+
+
+def chat_request(
+    model: str,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    include_output_tokens: bool = False,
+    hidden_states_path: str | None = None,
+) -> dict[str, Any]:
+    """Body of ``POST /v1/chat/completions`` for a whole conversation (no generation prompt)."""
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": [dict(m) for m in messages],
+        "max_tokens": 1,
+        "n": 1,
+        "temperature": 0.0,
+        "add_generation_prompt": False,
+        "return_token_ids": True,
+    }
+    params = _kv_transfer_params(include_output_tokens, hidden_states_path)
+    if params:
+        body["kv_transfer_params"] = params
+    return body
+
+
+def _kv_transfer_params(include_output_tokens: bool, hidden_states_path: str | None) -> dict[str, Any]:
+    params: dict[str, Any] = {}
+    if include_output_tokens:
+        params["include_output_tokens"] = True
+    if hidden_states_path is not None:
+        if not os.path.isabs(hidden_states_path):
+            raise ValueError(f"hidden_states_path must be absolute, got {hidden_states_path!r}")
+        params["hidden_states_path"] = hidden_states_path
+    return params
+
+
+def check_request_id(request_id: str) -> str:
+    """Return ``request_id`` if usable as an ``X-Request-Id`` header (it becomes part of a file name)."""
+    if not _REQUEST_ID_OK.match(request_id):
+        raise ValueError(f"X-Request-Id {request_id!r} must be non-empty and contain no '/'")
+    return request_id
+
+
+def auth_headers(api_key: str | None, request_id: str | None = None) -> dict[str, str]:
+    """HTTP headers for a request: bearer token and request id, when given."""
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    if request_id is not None:
+        headers["X-Request-Id"] = check_request_id(request_id)
+    return headers
+
+
+# --------------------------------------------------------------------------- responses
+
+
+@dataclass(frozen=True)
+class ExtractionResult:
+    """What a completion (or chat) response says about one prompt's hidden states."""
+
+    request_id: str
+    hidden_states_path: str
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: tuple[int, ...] = ()
+    finish_reason: str | None = None
+    usage: Mapping[str, Any] = field(default_factory=dict)
+
+
+def parse_extraction_response(body: Mapping[str, Any]) -> ExtractionResult:
+    """Parse a ``/v1/completions`` or ``/v1/chat/completions`` response body.
+
+    Raises:
+        ProtocolError: when ``kv_transfer_params.hidden_states_path`` or the prompt token
+            ids are missing (a server not running ``extract_hidden_states``, or too old).
+    """
+    if not isinstance(body, Mapping):
+        raise ProtocolError(f"response is not a JSON object: {type(body).__name__}")
+    params = body.get("kv_transfer_params") or {}
+    path = params.get("hidden_states_path") if isinstance(params, Mapping) else None
+    if not isinstance(path, str) or not path:
+        raise ProtocolError(
+            "response has no kv_transfer_params.hidden_states_path: is the server running "
+            "--speculative_config method extract_hidden_states with ExampleHiddenStatesConnector?"
+        )
+    choices = body.get("choices") or []
+    if not choices:
+        raise ProtocolError("response has no choices")
+    choice = choices[0]
+    prompt_ids = choice.get("prompt_token_ids")
+    if prompt_ids is None:
+        prompt_ids = body.get("prompt_token_ids")  # chat completions put them top level
+    if prompt_ids is None:
+        raise ProtocolError("response has no prompt_token_ids: send return_token_ids=true")
+    output_ids = choice.get("token_ids") or ()
+    return ExtractionResult(
+        request_id=str(body.get("id", "")),
+        hidden_states_path=path,
+        prompt_token_ids=tuple(int(t) for t in prompt_ids),
+        output_token_ids=tuple(int(t) for t in output_ids),
+        finish_reason=choice.get("finish_reason"),
+        usage=body.get("usage") or {},
+    )
+
+
+def error_body(message: str, *, type_: str = "BadRequestError", code: int = 400) -> dict[str, Any]:
+    """vLLM's (OpenAI-style) error body."""
+    return {"error": {"message": message, "type": type_, "param": None, "code": code}}
+
+
+def context_length_message(max_model_len: int, num_prompt_tokens: int) -> str:
+    """vLLM's 400 message for a prompt that does not fit ``max_model_len``."""
+    return (
+        f"This model's maximum context length is {max_model_len} tokens. However, your prompt "
+        f"contains {num_prompt_tokens} input tokens. Please reduce the length of the input "
+        f"prompt or the number of requested tokens."
+    )
+
+
+EMPTY_PROMPT_MESSAGE = "The decoder prompt cannot be empty"
+
+
+# --------------------------------------------------------------------------- files
+
+
+def completion_request_id(x_request_id: str | None = None) -> str:
+    """The public id of a completion: ``cmpl-<X-Request-Id>`` or ``cmpl-<16 hex>``."""
+    base = check_request_id(x_request_id) if x_request_id else uuid.uuid4().hex[:16]
+    return f"cmpl-{base}"
+
+
+def hidden_states_filename(request_id: str, prompt_index: int = 0) -> str:
+    """File name vLLM's connector uses: ``<request id>-<prompt index>-<8 hex>.safetensors``."""
+    return f"{request_id}-{prompt_index}-{uuid.uuid4().hex[:8]}.safetensors"
+
+
+def lock_path(path: str | os.PathLike[str]) -> str:
+    """The lock file vLLM (>= 0.22) holds while writing ``path``."""
+    return os.fspath(path) + LOCK_SUFFIX
+
+
+def is_within(path: str | os.PathLike[str], directory: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` resolves to a location inside ``directory`` (symlinks resolved)."""
+    real_path = os.path.realpath(path)
+    real_dir = os.path.realpath(directory)
+    return os.path.commonpath([real_path, real_dir]) == real_dir and real_path != real_dir
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor's entry in a safetensors header; offsets are absolute within the file."""
+
+    name: str
+    dtype: str  # logical name, e.g. "bfloat16"
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+def read_safetensors_header(f: BinaryIO, file_size: int | None = None) -> dict[str, TensorInfo]:
+    """Parse a safetensors header from an open binary file (positioned anywhere).
+
+    Tensor order in the file is not assumed. Raises ``ProtocolError`` on a truncated or
+    malformed file, including data offsets that run past ``file_size`` when given.
+    """
+    f.seek(0)
+    prefix = f.read(8)
+    if len(prefix) != 8:
+        raise ProtocolError("safetensors file shorter than its 8-byte header length")
+    (header_len,) = struct.unpack("<Q", prefix)
+    if header_len > 100_000_000:
+        raise ProtocolError(f"safetensors header length {header_len} is implausible")
+    raw = f.read(header_len)
+    if len(raw) != header_len:
+        raise ProtocolError("safetensors header is truncated")
+    try:
+        header = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ProtocolError(f"safetensors header is not JSON: {e}") from None
+    base = 8 + header_len
+    tensors: dict[str, TensorInfo] = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            tag = entry["dtype"]
+            shape = tuple(int(s) for s in entry["shape"])
+            begin, end = (int(x) for x in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise ProtocolError(f"safetensors entry {name!r} is malformed: {entry!r}") from None
+        if tag not in SAFETENSORS_DTYPES:
+            raise ProtocolError(f"safetensors tensor {name!r} has unsupported dtype {tag}")
+        logical, itemsize = SAFETENSORS_DTYPES[tag]
+        count = 1
+        for s in shape:
+            count *= s
+        if end - begin != count * itemsize or begin < 0:
+            raise ProtocolError(
+                f"safetensors tensor {name!r}: offsets {begin}..{end} do not match shape {shape}"
+            )
+        if file_size is not None and base + end > file_size:
+            raise ProtocolError(
+                f"safetensors tensor {name!r} ends at byte {base + end} but the file has {file_size} bytes (truncated)"
+            )
+        tensors[name] = TensorInfo(name, logical, shape, base + begin, base + end)
+    return tensors
+
+
+def safetensors_header_bytes(tensors: Sequence[tuple[str, str, Sequence[int]]]) -> tuple[bytes, list[int]]:
+    """Build a safetensors header for ``(name, logical dtype, shape)`` in order.
+
+    Returns the bytes to write before the data (length prefix + JSON, padded to 8 bytes)
+    and the data offset of each tensor relative to the end of the header.
+    """
+    entries: dict[str, Any] = {}
+    offsets = []
+    pos = 0
+    for name, dtype, shape in tensors:
+        tag = LOGICAL_TO_SAFETENSORS[dtype]
+        itemsize = SAFETENSORS_DTYPES[tag][1]
+        n = itemsize
+        for s in shape:
+            n *= int(s)
+        entries[name] = {"dtype": tag, "shape": [int(s) for s in shape], "data_offsets": [pos, pos + n]}
+        offsets.append(pos)
+        pos += n
+    raw = json.dumps(entries, separators=(",", ":")).encode()
+    raw += b" " * ((8 - len(raw) % 8) % 8)
+    return struct.pack("<Q", len(raw)) + raw, offsets
+
+
+# --------------------------------------------------------------------------- layer ids
+
+
+def default_eagle3_layer_ids(num_hidden_layers: int) -> list[int]:
+    """speculators' default extraction layers: ``[2, L//2, L-3]`` plus ``L`` for the targets."""
+    L = num_hidden_layers
+    return normalize_layer_ids([2, L // 2, L - 3, L], num_hidden_layers)
+
+
+def default_dflash_layer_ids(num_hidden_layers: int, num_aux: int = 5) -> list[int]:
+    """DFlash's default: ``num_aux`` layers spread evenly from 1 to ``L-3``, plus ``L``."""
+    L = num_hidden_layers
+    hi = max(1, L - 3)
+    if num_aux <= 1:
+        aux = [1]
+    else:
+        aux = [round(1 + i * (hi - 1) / (num_aux - 1)) for i in range(num_aux)]
+    return normalize_layer_ids([*aux, L], num_hidden_layers)
+
+
+def normalize_layer_ids(layer_ids: Sequence[int], num_hidden_layers: int | None = None) -> list[int]:
+    """Sorted, unique layer ids, checked against ``0..num_hidden_layers`` when it is known."""
+    ids = sorted({int(i) for i in layer_ids})
+    if not ids:
+        raise ValueError("layer ids must be a non-empty list")
+    if ids[0] < 0:
+        raise ValueError(f"layer ids must be >= 0, got {ids}")
+    if num_hidden_layers is not None and ids[-1] > num_hidden_layers:
+        raise ValueError(f"layer id {ids[-1]} exceeds the model's {num_hidden_layers} layers")
+    return ids
+
+
+def parse_layer_ids(text: str) -> list[int]:
+    """Parse ``"2,18,33,36"`` or ``"2 18 33 36"`` into sorted unique ints."""
+    parts = [p for p in re.split(r"[,\s]+", text.strip()) if p]
+    try:
+        return normalize_layer_ids([int(p) for p in parts])
+    except ValueError as e:
+        raise ValueError(f"bad layer ids {text!r}: {e}") from None
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """Sum each metric family of a Prometheus text exposition over its labels.
+
+    ``vllm:num_requests_waiting{model_name="x"} 3`` -> ``{"vllm:num_requests_waiting": 3.0}``.
+    """
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        name_part, _, rest = line.partition(" ") if "{" not in line else line.partition("}")
+        name = name_part.split("{", 1)[0]
+        value_text = rest.strip().split(" ")[0] if rest.strip() else ""
+        try:
+            value = float(value_text)
+        except ValueError:
+            continue
+        values[name] = values.get(name, 0.0) + value
+    return values
+
+
+def server_extraction_config(layer_ids: Sequence[int], shared_storage_path: str) -> dict[str, Any]:
+    """The two JSON arguments of ``vllm serve`` that turn on extraction, as dicts."""
+    return {
+        "speculative_config": {
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}},
+        },
+        "kv_transfer_config": {
+            "kv_connector": "ExampleHiddenStatesConnector",
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"shared_storage_path": shared_storage_path},
+        },
+    }

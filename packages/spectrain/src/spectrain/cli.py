@@ -1,0 +1,26 @@
+"""The ``spectrain`` command. Subcommands are imported only when invoked."""
+
+from __future__ import annotations
+
+import click
+
+from hsgen.cli import LazyGroup
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": (
+        "spectrain.train_cli:train",
+        "Train a DFlash or Eagle3 draft from a store (or --online from vLLM).",
+    ),
+    "export": ("spectrain.train_cli:export", "Export a training checkpoint as a directory vLLM serves."),
+    "eval": ("spectrain.eval_cli:eval_command", "Measure acceptance length with real speculative decoding."),
+}
+
+
+@click.group(cls=LazyGroup, lazy_commands=COMMANDS, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="spectrain")
+def main() -> None:
+    """spectrain: train speculative-decoding drafts from a target model's hidden states."""
+
+
+if __name__ == "__main__":
+    main()

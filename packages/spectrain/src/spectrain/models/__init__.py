@@ -1,0 +1,1 @@
+"""Draft model algorithms, one module each, registered by name."""

@@ -1,0 +1,23 @@
+"""Shared fixtures: the built-in tiny verifier and the shipped sample conversations."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Path:
+    """Directory of the built-in tiny Qwen3-style verifier (built once, then cached)."""
+    from hsgen.tiny import ensure_tiny_model
+
+    return ensure_tiny_model()
+
+
+@pytest.fixture(scope="session")
+def sample_chats_path() -> Path:
+    """The shipped sample chat dataset (JSONL of OpenAI ``messages``)."""
+    from hsgen.sample_data import sample_chats_path
+
+    return sample_chats_path()
