@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from hsgen import protocol
 from hsgen.serve.capacity import CapacityModel
@@ -108,7 +107,6 @@ class ServeConfig:
     capacity: CapacityModel | None = None
     faults: FaultPlan | None = None
     enable_admin: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def behaviour(self) -> VersionBehaviour:
@@ -129,7 +127,17 @@ class ServeConfig:
             raise ValueError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"--max-model-len must be >= 2, got {self.max_model_len}")
-        if self.dtype not in ("auto", "bfloat16", "float16", "float32", "bf16", "fp16", "fp32", "half", "float"):
+        if self.dtype not in (
+            "auto",
+            "bfloat16",
+            "float16",
+            "float32",
+            "bf16",
+            "fp16",
+            "fp32",
+            "half",
+            "float",
+        ):
             raise ValueError(f"--dtype {self.dtype!r}: use auto, bfloat16, float16 or float32")
         if self.num_writer_threads < 1:
             raise ValueError(f"--num-writer-threads must be >= 1, got {self.num_writer_threads}")

@@ -1,0 +1,222 @@
+"""Loading a causal LM and reading vLLM-numbered layer outputs from one batched forward.
+
+Layer ids mean what they mean in vLLM: id ``k < L`` is the residual stream entering decoder
+layer ``k`` (HF ``output_hidden_states[k]``; id 0 is the embeddings) and id ``L`` is the
+output of the last decoder layer *before* the final norm. HF's own last hidden state is
+after the norm, so both are read with hooks on the decoder layers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hsgen import protocol
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+}
+
+
+def resolve_model_path(model: str, tiny_cache_dir: str | None = None) -> Path:
+    """``"tiny"`` -> the built-in model directory (built once); anything else must be a local dir.
+
+    Raises:
+        FileNotFoundError: when ``model`` is not a directory with a ``config.json``.
+    """
+    if model == "tiny":
+        from hsgen.tiny import ensure_tiny_model
+
+        return Path(ensure_tiny_model(tiny_cache_dir))
+    path = Path(os.path.expanduser(model))
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"--model {model!r}: not 'tiny' and not a local Hugging Face model directory "
+            f"(no {path / 'config.json'}); hsgen serve never downloads models"
+        )
+    return path
+
+
+def num_hidden_layers_of(path: Path) -> int | None:
+    """``num_hidden_layers`` from a model directory's ``config.json`` (or its ``text_config``)."""
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for source in (cfg, cfg.get("text_config") or {}):
+        if isinstance(source.get("num_hidden_layers"), int):
+            return source["num_hidden_layers"]
+    return None
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM ready for extraction, with the facts the server reports about it."""
+
+    model: Any
+    tokenizer: Any
+    path: Path
+    dtype: torch.dtype
+    device: torch.device
+    num_hidden_layers: int
+    hidden_size: int
+    max_position_embeddings: int
+    eos_token_ids: frozenset[int]
+    vocab_size: int
+
+
+def load_model(
+    model: str, *, dtype: str = "auto", device: str = "cpu", tiny_cache_dir: str | None = None
+) -> LoadedModel:
+    """Load tokenizer and model from a local directory (``local_files_only``), in eval mode."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model_path(model, tiny_cache_dir)
+    torch_dtype: Any = "auto" if dtype == "auto" else _DTYPES[dtype]
+    log.info("loading %s (dtype=%s, device=%s)", path, dtype, device)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True)
+    lm.to(device).eval()
+    cfg = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
+    eos: set[int] = set()
+    for source in (tokenizer.eos_token_id, getattr(lm.generation_config, "eos_token_id", None)):
+        if isinstance(source, int):
+            eos.add(source)
+        elif isinstance(source, list | tuple):
+            eos.update(int(s) for s in source)
+    param = next(lm.parameters())
+    return LoadedModel(
+        model=lm,
+        tokenizer=tokenizer,
+        path=path,
+        dtype=param.dtype,
+        device=param.device,
+        num_hidden_layers=int(cfg.num_hidden_layers),
+        hidden_size=int(cfg.hidden_size),
+        max_position_embeddings=int(getattr(cfg, "max_position_embeddings", 0) or 0),
+        eos_token_ids=frozenset(eos),
+        vocab_size=int(cfg.vocab_size),
+    )
+
+
+def decoder_layers(model: Any) -> Sequence[torch.nn.Module]:
+    """The decoder layer list of a HF causal LM (``model.model.layers`` for Llama/Qwen)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    layers = getattr(decoder, "layers", None)
+    if layers is None:
+        raise TypeError(f"{type(model).__name__}: cannot find the decoder layers (model.model.layers)")
+    return layers
+
+
+@dataclass
+class ForwardOutput:
+    """One sequence's result of a forward: its hidden states and the greedy next token."""
+
+    hidden_states: torch.Tensor  # [T, n_layers, H], model dtype, on CPU
+    next_token: int
+
+
+class HiddenStateExtractor:
+    """Runs batched forwards of a causal LM and returns the requested layers per sequence.
+
+    Sequences are right-padded into one batch; with causal attention the real tokens never
+    see the padding, so each sequence's values are those of its own unbatched forward.
+    Not thread-safe: call from one thread.
+    """
+
+    def __init__(self, loaded: LoadedModel, layer_ids: Sequence[int]):
+        self.loaded = loaded
+        self.layer_ids = protocol.normalize_layer_ids(layer_ids, loaded.num_hidden_layers)
+        self._layers = decoder_layers(loaded.model)
+        if len(self._layers) != loaded.num_hidden_layers:
+            raise TypeError(
+                f"model has {len(self._layers)} decoder layers, config says {loaded.num_hidden_layers}"
+            )
+        self._captured: dict[int, torch.Tensor] = {}
+        self._active_thread: int | None = None  # hooks record only our own forwards
+        self._handles = []
+        L = loaded.num_hidden_layers
+        for k in self.layer_ids:
+            if k < L:
+                self._handles.append(
+                    self._layers[k].register_forward_pre_hook(self._pre_hook(k), with_kwargs=True)
+                )
+            else:
+                self._handles.append(self._layers[L - 1].register_forward_hook(self._post_hook(k)))
+
+    def _pre_hook(self, k: int):
+        def hook(module, args, kwargs):
+            if self._active_thread == threading.get_ident():
+                self._captured[k] = args[0] if args else kwargs["hidden_states"]
+
+        return hook
+
+    def _post_hook(self, k: int):
+        def hook(module, args, output):
+            if self._active_thread == threading.get_ident():
+                self._captured[k] = output[0] if isinstance(output, tuple | list) else output
+
+        return hook
+
+    def close(self) -> None:
+        """Remove the hooks from the model."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    @torch.inference_mode()
+    def forward(self, sequences: Sequence[Sequence[int]]) -> list[ForwardOutput]:
+        """One forward over ``sequences`` (each non-empty); results in the same order."""
+        if not sequences or any(len(s) == 0 for s in sequences):
+            raise ValueError("forward needs non-empty sequences")
+        lm = self.loaded.model
+        lengths = [len(s) for s in sequences]
+        T = max(lengths)
+        device = self.loaded.device
+        ids = torch.zeros((len(sequences), T), dtype=torch.long)
+        for i, s in enumerate(sequences):
+            ids[i, : len(s)] = torch.tensor(list(s), dtype=torch.long)
+        ids = ids.to(device)
+        mask = None
+        if min(lengths) != T:
+            mask = (torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]).long().to(device)
+        self._captured.clear()
+        decoder = lm.get_decoder() if hasattr(lm, "get_decoder") else lm.model
+        self._active_thread = threading.get_ident()
+        try:
+            out = decoder(input_ids=ids, attention_mask=mask, use_cache=False)
+        finally:
+            self._active_thread = None
+        last = out.last_hidden_state
+        rows = torch.arange(len(sequences), device=device)
+        idx = torch.tensor(lengths, device=device) - 1
+        logits = lm.get_output_embeddings()(last[rows, idx])
+        next_tokens = logits.float().argmax(dim=-1).tolist()
+        missing = [k for k in self.layer_ids if k not in self._captured]
+        if missing:
+            raise RuntimeError(f"layer hooks did not fire for layer ids {missing}")
+        stacked = torch.stack([self._captured[k] for k in self.layer_ids], dim=2)  # [B, T, n, H]
+        self._captured.clear()
+        results = []
+        for i, n in enumerate(lengths):
+            results.append(
+                ForwardOutput(stacked[i, :n].to("cpu", copy=True).contiguous(), int(next_tokens[i]))
+            )
+        return results
