@@ -1,0 +1,497 @@
+"""Render prompts to token ids and an assistant-only loss mask, without torch or transformers.
+
+The verifier's ``tokenizer.json`` is loaded with the ``tokenizers`` library and its chat
+template is rendered with jinja2 the way Hugging Face does (sandboxed, ``trim_blocks``,
+``lstrip_blocks``, ``loopcontrols``, ``raise_exception``, ``tojson``, ``strftime_now``), so
+the ids equal ``AutoTokenizer.apply_chat_template(..., tokenize=True)``. ``import
+transformers`` would import torch when it is installed; hsgen outside ``hsgen.serve`` never
+does.
+
+The loss mask marks the tokens of every assistant turn (content and end-of-turn marker):
+``loss_mask[t] == 1`` when token ``t`` belongs to an assistant reply, i.e. the draft is
+trained to predict it. Assistant spans are found by rendering each conversation prefix
+incrementally, which works for any template whose prefixes render as prefixes; other
+templates fall back to locating the assistant content in the full rendering.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Literal
+
+from hsgen.inputs import InputSample
+
+log = logging.getLogger(__name__)
+
+OnTooLong = Literal["truncate", "skip"]
+
+SPECIAL_TOKEN_KEYS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "pad_token",
+    "sep_token",
+    "cls_token",
+    "mask_token",
+)
+
+
+@dataclass(frozen=True)
+class RenderedPrompt:
+    """A prompt ready to send: token ids and the loss mask over them.
+
+    Attributes:
+        sample_id: the stable id the sample is stored under.
+        token_ids: prompt token ids, exactly as sent to the server.
+        loss_mask: one 0/1 entry per token (1 = train on this token).
+        truncated: whether ``--max-len`` cut the prompt.
+        source: ``file:line`` the sample came from ("" when unknown).
+    """
+
+    sample_id: str
+    token_ids: list[int]
+    loss_mask: list[int]
+    truncated: bool = False
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if len(self.token_ids) != len(self.loss_mask):
+            raise ValueError(
+                f"sample {self.sample_id!r}: {len(self.token_ids)} token ids but {len(self.loss_mask)} mask entries"
+            )
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSONL record ``hsgen render`` prints (and ``hsgen generate`` reads)."""
+        return {"id": self.sample_id, "input_ids": self.token_ids, "loss_mask": self.loss_mask}
+
+
+class RenderError(ValueError):
+    """A sample that cannot be rendered (template error, missing tokenizer, ...)."""
+
+
+class TooLong(RenderError):
+    """A sample longer than ``max_len`` with ``on_too_long="skip"``."""
+
+
+@dataclass(frozen=True)
+class RenderConfig:
+    """How to turn samples into token ids.
+
+    Attributes:
+        tokenizer_path: local directory with ``tokenizer.json`` and ``tokenizer_config.json``
+            (the verifier's); needed for ``messages`` and ``prompt`` samples.
+        chat_template: a template file overriding the tokenizer's own.
+        max_len: longest prompt in tokens (None = no limit). vLLM needs ``max_model_len - 1``.
+        on_too_long: ``"truncate"`` keeps the first ``max_len`` tokens, ``"skip"`` drops the sample.
+        template_kwargs: extra variables for the chat template (e.g. ``enable_thinking``).
+    """
+
+    tokenizer_path: str | None = None
+    chat_template: str | None = None
+    max_len: int | None = None
+    on_too_long: OnTooLong = "truncate"
+    template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------- chat template
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys=False):
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _raise_exception(message: str):
+    import jinja2
+
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _generation_extension():
+    """A jinja2 extension accepting HF's ``{% generation %}...{% endgeneration %}`` blocks."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+
+    class GenerationBlock(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_render", []), [], [], body).set_lineno(lineno)
+
+        def _render(self, caller):
+            return caller()
+
+    return GenerationBlock
+
+
+def compile_chat_template(source: str):
+    """Compile a chat template with Hugging Face's jinja settings."""
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_generation_extension(), loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def load_chat_template(tokenizer_dir: Path, override: str | None = None) -> str | None:
+    """The chat template of a local tokenizer directory (HF layouts old and new), or ``override``."""
+    if override:
+        return Path(override).read_text()
+    jinja_file = tokenizer_dir / "chat_template.jinja"
+    if jinja_file.exists():
+        return jinja_file.read_text()
+    json_file = tokenizer_dir / "chat_template.json"
+    if json_file.exists():
+        value = json.loads(json_file.read_text()).get("chat_template")
+        if isinstance(value, str):
+            return value
+    config_file = tokenizer_dir / "tokenizer_config.json"
+    if config_file.exists():
+        value = json.loads(config_file.read_text()).get("chat_template")
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list):  # [{"name": "default", "template": ...}, ...]
+            named = {t.get("name"): t.get("template") for t in value if isinstance(t, Mapping)}
+            if isinstance(named.get("default"), str):
+                return named["default"]
+    return None
+
+
+# --------------------------------------------------------------------------- renderer
+
+
+class ChatRenderer:
+    """Renders samples with a local tokenizer directory. Thread-safe after construction."""
+
+    def __init__(self, config: RenderConfig):
+        if config.on_too_long not in ("truncate", "skip"):
+            raise ValueError(f"on_too_long must be 'truncate' or 'skip', got {config.on_too_long!r}")
+        if config.max_len is not None and config.max_len < 1:
+            raise ValueError(f"max_len must be >= 1, got {config.max_len}")
+        self.config = config
+        self._tokenizer = None
+        self._template = None
+        self._template_source: str | None = None
+        self._special: dict[str, Any] = {}
+        self._fingerprint = ""
+        if config.tokenizer_path:
+            self._load(Path(config.tokenizer_path))
+
+    def _load(self, path: Path) -> None:
+        from tokenizers import Tokenizer
+
+        tok_file = path / "tokenizer.json"
+        if not tok_file.exists():
+            raise RenderError(
+                f"{path}: no tokenizer.json (a local Hugging Face model or tokenizer directory is needed)"
+            )
+        tok_bytes = tok_file.read_bytes()
+        self._tokenizer = Tokenizer.from_str(tok_bytes.decode("utf-8"))
+        cfg_file = path / "tokenizer_config.json"
+        cfg = json.loads(cfg_file.read_text()) if cfg_file.exists() else {}
+        for key in SPECIAL_TOKEN_KEYS:
+            text = _token_text(cfg.get(key))
+            if text is not None:
+                self._special[key] = text
+        extra = cfg.get("additional_special_tokens") or cfg.get("extra_special_tokens")
+        if isinstance(extra, list):
+            self._special["additional_special_tokens"] = [_token_text(t) for t in extra]
+        self._template_source = load_chat_template(path, self.config.chat_template)
+        if self._template_source is not None:
+            self._template = compile_chat_template(self._template_source)
+        h = hashlib.sha256()
+        h.update(b"tokenizer.json\0")
+        h.update(hashlib.sha256(tok_bytes).digest())
+        h.update(b"\0chat_template\0")
+        h.update((self._template_source or "").encode())
+        h.update(b"\0special\0")
+        h.update(json.dumps(self._special, sort_keys=True).encode())
+        self._fingerprint = h.hexdigest()
+
+    @property
+    def fingerprint(self) -> str:
+        """sha256 of tokenizer.json, chat template and special tokens ("" without a tokenizer)."""
+        return self._fingerprint
+
+    # ---------------------------------------------------------------- text level
+
+    def apply_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> str:
+        """Render messages to text with the chat template (like HF ``tokenize=False``)."""
+        if self._template is None:
+            raise RenderError("the tokenizer has no chat_template: pass --chat-template FILE")
+        import jinja2
+
+        try:
+            return self._template.render(
+                messages=[dict(m) for m in messages],
+                tools=[dict(t) for t in tools] if tools else None,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **self._special,
+                **dict(self.config.template_kwargs),
+            )
+        except jinja2.exceptions.TemplateError as e:
+            raise RenderError(f"chat template failed: {e}") from None
+
+    def encode(
+        self, text: str, *, add_special_tokens: bool = False
+    ) -> tuple[list[int], list[tuple[int, int]]]:
+        """Token ids and character offsets of ``text``."""
+        if self._tokenizer is None:
+            raise RenderError("rendering text needs a tokenizer: pass --tokenizer DIR (the verifier's)")
+        enc = self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return list(enc.ids), list(enc.offsets)
+
+    def assistant_spans(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        full: str,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[tuple[int, int]]:
+        """Character spans of each assistant turn in ``full`` (the whole conversation rendered)."""
+        spans: list[tuple[int, int]] = []
+        cursor = 0
+        for i, m in enumerate(messages):
+            if m.get("role") != "assistant":
+                continue
+            pre = self._safe_prefix(messages[:i], tools)
+            upto = self.apply_template(messages[: i + 1], tools=tools)
+            if pre is not None and upto.startswith(pre) and full.startswith(upto) and len(pre) >= cursor:
+                spans.append((len(pre), len(upto)))
+                cursor = len(upto)
+                continue
+            span = self._locate(m, full, cursor, pre, upto)
+            if span is None:
+                raise RenderError(
+                    f"cannot find assistant turn {i} in the rendered conversation: the chat template "
+                    "rewrites it (render with the server, or pass a loss_mask with input_ids)"
+                )
+            spans.append(span)
+            cursor = span[1]
+        return spans
+
+    def _safe_prefix(self, messages: Sequence[Mapping[str, Any]], tools) -> str | None:
+        try:
+            return self.apply_template(messages, add_generation_prompt=True, tools=tools)
+        except RenderError:
+            if not messages:
+                return ""
+            return None
+
+    @staticmethod
+    def _locate(message: Mapping[str, Any], full: str, cursor: int, pre: str | None, upto: str):
+        content = message.get("content")
+        if isinstance(content, list):
+            content = "".join(p.get("text", "") for p in content if isinstance(p, Mapping))
+        if not isinstance(content, str) or not content.strip():
+            return None
+        content = content.strip()
+        # reasoning templates drop the <think> block of earlier turns: try the visible answer
+        candidates = [content, content.split("</think>")[-1].strip()]
+        idx = -1
+        for cand in candidates:
+            if cand:
+                idx = full.find(cand, cursor)
+                if idx >= 0:
+                    content = cand
+                    break
+        if idx < 0:
+            return None
+        end = idx + len(content)
+        segment = upto[len(pre) :] if pre is not None and upto.startswith(pre) else upto
+        k = segment.rfind(content)
+        if k >= 0:
+            tail = segment[k + len(content) :]
+            if tail and full.startswith(tail, end):
+                end += len(tail)
+        return idx, end
+
+    # ---------------------------------------------------------------- samples
+
+    def render(self, sample: InputSample) -> RenderedPrompt:
+        """Token ids and loss mask of one sample, with ``max_len`` applied.
+
+        Raises:
+            RenderError: the sample cannot be rendered (names its source).
+            TooLong: the sample exceeds ``max_len`` and ``on_too_long == "skip"``.
+        """
+        try:
+            if sample.kind == "tokens":
+                ids = list(sample.input_ids or ())
+                mask = list(sample.loss_mask) if sample.loss_mask is not None else [1] * len(ids)
+            elif sample.kind == "prompt":
+                ids, _ = self.encode(sample.prompt or "", add_special_tokens=True)
+                mask = [1] * len(ids)
+            else:
+                ids, mask = self.render_messages(sample.messages or (), sample.tools)
+        except RenderError as e:
+            raise RenderError(f"{sample.source}: {e}") from None
+        if not ids:
+            raise RenderError(f"{sample.source}: renders to no tokens")
+        return self._limit(RenderedPrompt(sample.sample_id, ids, mask, source=sample.source))
+
+    def render_messages(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> tuple[list[int], list[int]]:
+        """Token ids of a whole conversation (no generation prompt) and its assistant mask."""
+        full = self.apply_template(messages, tools=tools)
+        ids, offsets = self.encode(full)
+        spans = self.assistant_spans(messages, full, tools)
+        mask = [0] * len(ids)
+        j = 0
+        for t, (s, e) in enumerate(offsets):
+            while j < len(spans) and spans[j][1] <= s:
+                j += 1
+            if j == len(spans):
+                break
+            a, b = spans[j]
+            if (s < b and e > a) or (s == e and a <= s < b):
+                mask[t] = 1
+        return ids, mask
+
+    def _limit(self, p: RenderedPrompt) -> RenderedPrompt:
+        limit = self.config.max_len
+        if limit is None or len(p.token_ids) <= limit:
+            return p
+        if self.config.on_too_long == "skip":
+            raise TooLong(f"{p.source}: {len(p.token_ids)} tokens > --max-len {limit}")
+        return RenderedPrompt(p.sample_id, p.token_ids[:limit], p.loss_mask[:limit], True, p.source)
+
+
+# --------------------------------------------------------------------------- streams
+
+
+def render_stream(
+    paths: Sequence[str],
+    renderer: ChatRenderer,
+    *,
+    on_bad_input: str = "fail",
+    stdin=None,
+):
+    """Read and render every record of ``paths``, yielding ``RenderedPrompt`` or ``Skipped``.
+
+    A bad record (unreadable, wrong fields, template failure) raises ``InputError`` /
+    ``RenderError`` with ``on_bad_input="fail"``, else becomes ``Skipped("bad_input", ...)``;
+    a record over ``max_len`` with ``on_too_long="skip"`` becomes ``Skipped("too_long", ...)``.
+    """
+    from hsgen.generate import Skipped
+    from hsgen.inputs import InputError, iter_records, parse_record
+
+    if on_bad_input not in ("skip", "fail"):
+        raise ValueError(f"on_bad_input must be 'skip' or 'fail', got {on_bad_input!r}")
+    for path in paths:
+        for source, rec in iter_records(path, stdin=stdin):
+            sample_id = None
+            try:
+                if isinstance(rec, InputError):
+                    raise rec
+                sample = parse_record(rec, source)
+                sample_id = sample.sample_id
+                yield renderer.render(sample)
+            except TooLong as e:
+                log.info("skipping %s", e)
+                yield Skipped("too_long", str(e), sample_id, source)
+            except (InputError, RenderError) as e:
+                if on_bad_input == "fail":
+                    raise
+                log.warning("skipping bad input: %s", e)
+                yield Skipped("bad_input", str(e), sample_id, source)
+
+
+# --------------------------------------------------------------------------- server rendering
+
+
+async def render_messages_with_server(
+    session,
+    base_url: str,
+    model: str,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    api_key: str | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
+) -> tuple[list[int], list[int]]:
+    """Render a conversation with a server's ``POST /v1/chat/completions/render``.
+
+    The mask comes from rendering each prefix: the ids of ``messages[:i]`` plus the generation
+    prompt must be a prefix of the ids of ``messages[:i+1]``, which must be a prefix of the whole.
+
+    Args:
+        session: an ``aiohttp.ClientSession``.
+        base_url: the server, e.g. ``http://localhost:8000``.
+    """
+    from hsgen.protocol import auth_headers
+
+    url = base_url.rstrip("/") + "/v1/chat/completions/render"
+
+    async def ids_of(msgs, add_generation_prompt: bool) -> list[int]:
+        body = {
+            "model": model,
+            "messages": [dict(m) for m in msgs],
+            "add_generation_prompt": add_generation_prompt,
+            **({"chat_template_kwargs": dict(template_kwargs)} if template_kwargs else {}),
+        }
+        async with session.post(url, json=body, headers=auth_headers(api_key)) as r:
+            data = await r.json(content_type=None)
+            if r.status != 200:
+                raise RenderError(f"{url} answered {r.status}: {data}")
+        ids = data.get("token_ids") if isinstance(data, Mapping) else None
+        if ids is None and isinstance(data, Mapping):
+            ids = data.get("prompt_token_ids")
+        if not isinstance(ids, list):
+            raise RenderError(f"{url} returned no token_ids")
+        return [int(t) for t in ids]
+
+    full = await ids_of(messages, False)
+    mask = [0] * len(full)
+    for i, m in enumerate(messages):
+        if m.get("role") != "assistant":
+            continue
+        pre = await ids_of(messages[:i], True) if i else []
+        upto = await ids_of(messages[: i + 1], False)
+        if upto[: len(pre)] != pre or full[: len(upto)] != upto:
+            raise RenderError(
+                f"the server's chat template does not render assistant turn {i} as a prefix: use local rendering"
+            )
+        for t in range(len(pre), len(upto)):
+            mask[t] = 1
+    return full, mask
+
+
+__all__ = [
+    "ChatRenderer",
+    "OnTooLong",
+    "RenderConfig",
+    "RenderError",
+    "RenderedPrompt",
+    "TooLong",
+    "compile_chat_template",
+    "load_chat_template",
+    "render_messages_with_server",
+    "render_stream",
+]

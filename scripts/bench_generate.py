@@ -1,0 +1,303 @@
+#!/usr/bin/env python
+"""Benchmark ``hsgen generate``: saturation of capacity-limited servers, and ingest overhead.
+
+1. Saturation: the reference server (``hsgen serve``, own process) runs with a capacity model
+   of C concurrent sequences per step for several C. Prompts have a fixed length, so the
+   capacity is exactly ``C / step_seconds(C * len)`` sequences per second. hsgen with default
+   settings, then a fixed-concurrency client (``--concurrency 8``), run against it; the
+   steady-state rate is read from the server's ``vllm:request_success_total`` counter.
+2. Ingest: a server whose files are ready at once (pre-written safetensors files in
+   /dev/shm) is drained into a store on disk; hidden-state bytes landed per second are
+   compared with a raw copy of the same bytes from /dev/shm to the same disk (fsync'd).
+
+Progress goes to stderr; the last stdout line is JSON with ``saturation_min``,
+``ingest_ratio`` and ``ingest_gbps``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import numpy as np
+
+from hsgen import protocol
+from hsgen.client import ClientConfig
+from hsgen.generate import GenerateConfig, generate
+from hsgen.render import RenderedPrompt
+from hsgen.saturate import SaturationConfig
+from hsgen.store import HiddenStateStore, StoreHeader
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def served_count(url: str) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        return protocol.parse_prometheus(r.read().decode()).get("vllm:request_success_total", 0.0)
+
+
+async def run_client(url, shared, prompts, store, concurrency, seconds, measure_after):
+    """Run generate for ``seconds``; return the server's completion rate after ``measure_after``."""
+    stop = asyncio.Event()
+    cfg = GenerateConfig(
+        client=ClientConfig([url], shared_dir=str(shared)),
+        saturation=SaturationConfig(concurrency=concurrency),
+        shard_bytes=64 << 20,
+        stop_grace_s=60,
+    )
+    task = asyncio.create_task(generate(cfg, prompts, store, progress=False, stop=stop))
+    await asyncio.sleep(measure_after)
+    n0, t0 = await asyncio.to_thread(served_count, url), time.monotonic()
+    await asyncio.sleep(seconds - measure_after)
+    n1, t1 = await asyncio.to_thread(served_count, url), time.monotonic()
+    stop.set()
+    summary = await task
+    limit = summary.endpoints.get(url, {}).get("limit")
+    return (n1 - n0) / (t1 - t0), limit
+
+
+def bench_saturation(capacities, ideal_rate, prompt_len, quick, workdir: Path) -> list[dict]:
+    from hsgen.serve.capacity import CapacityModel
+    from hsgen.serve.testing import running_server
+
+    rng = random.Random(0)
+    results = []
+    for cap in capacities:
+        rate = 1e6
+        step = cap / ideal_rate
+        model = CapacityModel(
+            prefill_tokens_per_s=rate,
+            max_concurrent_seqs=cap,
+            step_overhead_s=step - cap * prompt_len / rate,
+        )
+        capacity = cap / model.step_seconds(cap * prompt_len)
+        seconds = max(10.0, 14 * step) if quick else max(20.0, 30 * step)
+        measure_after = seconds * 0.55
+        n = int(capacity * seconds * 3) + 4 * cap
+        shared = Path("/dev/shm") / f"hsgen-bench-{uuid.uuid4().hex[:8]}"
+        row = {"capacity_seqs": cap, "capacity_per_s": round(capacity, 1), "seconds": round(seconds, 1)}
+        with running_server(
+            "tiny",
+            [1, 2, 4],
+            shared,
+            capacity=model,
+            mode="process",
+            max_num_seqs=max(256, cap),
+            max_num_batched_tokens=max(8192, 4 * cap * prompt_len),
+        ) as url:
+            for name, conc in (("hsgen_default", None), ("fixed_8", 8)):
+                prompts = [
+                    RenderedPrompt(
+                        f"{name}-{cap}-{i}",
+                        [rng.randrange(1, 1000) for _ in range(prompt_len)],
+                        [1] * prompt_len,
+                    )
+                    for i in range(n)
+                ]
+                store_path = workdir / f"sat-{cap}-{name}"
+                store = HiddenStateStore.create(store_path, StoreHeader("tiny", (1, 2, 4), 64, "float32"))
+                got, limit = asyncio.run(
+                    run_client(url, shared, prompts, store, conc, seconds, measure_after)
+                )
+                row[name] = round(got / capacity, 3)
+                row[f"{name}_limit"] = limit
+                shutil.rmtree(store_path, ignore_errors=True)
+                log(
+                    f"capacity {cap:4d} seqs ({capacity:.0f}/s): {name} reached {got:.1f}/s = {got / capacity:.1%} (limit {limit})"
+                )
+        shutil.rmtree(shared, ignore_errors=True)
+        results.append(row)
+    return results
+
+
+# ----------------------------------------------------------------------------- ingest
+
+
+def make_file(path: Path, tokens: int, layers: int, hidden: int, seed: int) -> list[int]:
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(1, 30000, size=tokens, dtype=np.int64)
+    states = rng.standard_normal((tokens, layers, hidden), dtype=np.float32).astype(np.float16)
+    header, _ = protocol.safetensors_header_bytes(
+        [("hidden_states", "float16", states.shape), ("token_ids", "int64", ids.shape)]
+    )
+    with open(path, "wb") as f:
+        f.write(header)
+        f.write(states.tobytes())
+        f.write(ids.tobytes())
+    return ids.tolist()
+
+
+class ReadyServer:
+    """Answers each completion with the next pre-written file (files ready at once)."""
+
+    def __init__(self, files: dict[tuple[int, ...], str]):
+        self.files = files
+
+    def start(self) -> str:
+        from aiohttp import web
+
+        async def models(request):
+            return web.json_response({"data": [{"id": "ready"}]})
+
+        async def completions(request):
+            body = await request.json()
+            ids = body["prompt"]
+            path = self.files[tuple(ids[:4])]
+            return web.json_response(
+                {
+                    "id": "cmpl-x",
+                    "choices": [{"index": 0, "text": "", "prompt_token_ids": ids, "token_ids": [1]}],
+                    "kv_transfer_params": {"hidden_states_path": path},
+                }
+            )
+
+        app = web.Application(client_max_size=1 << 28)
+        app.router.add_get("/v1/models", models)
+        app.router.add_post("/v1/completions", completions)
+        self.loop = asyncio.new_event_loop()
+        ready = threading.Event()
+        box = {}
+
+        def run():
+            asyncio.set_event_loop(self.loop)
+            runner = web.AppRunner(app, access_log=None)
+            self.loop.run_until_complete(runner.setup())
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            self.loop.run_until_complete(site.start())
+            box["url"] = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+            box["runner"] = runner
+            ready.set()
+            self.loop.run_forever()
+            self.loop.run_until_complete(runner.cleanup())
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+        ready.wait(30)
+        return box["url"]
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(30)
+
+
+def prepare_files(shared: Path, n: int, tokens: int, layers: int, hidden: int):
+    shared.mkdir(parents=True, exist_ok=True)
+    files, prompts = {}, []
+    for i in range(n):
+        path = shared / f"cmpl-{i:05d}.safetensors"
+        ids = make_file(path, tokens, layers, hidden, seed=i)
+        ids[0] = i + 1  # unique prefix -> file
+        arr = np.asarray(ids, dtype=np.int64)
+        with open(path, "r+b") as f:  # rewrite the token ids with the unique first id
+            t = protocol.read_safetensors_header(f)["token_ids"]
+            f.seek(t.start)
+            f.write(arr.tobytes())
+        files[tuple(ids[:4])] = str(path)
+        prompts.append(RenderedPrompt(f"s{i}", ids, [1] * tokens))
+    return files, prompts
+
+
+def raw_copy(shared: Path, dest: Path) -> tuple[int, float]:
+    dest.mkdir(parents=True, exist_ok=True)
+    total = 0
+    t0 = time.perf_counter()
+    for p in sorted(shared.iterdir()):
+        out = dest / p.name
+        shutil.copyfile(p, out)
+        with open(out, "rb") as f:
+            os.fsync(f.fileno())
+        total += p.stat().st_size
+    fd = os.open(dest, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+    return total, time.perf_counter() - t0
+
+
+def bench_ingest(workdir: Path, quick: bool) -> dict:
+    tokens, layers, hidden = 2048, 4, 1024  # 16 MiB of float16 hidden states per sample
+    n = 48 if quick else 160
+    shared = Path("/dev/shm") / f"hsgen-ingest-{uuid.uuid4().hex[:8]}"
+    try:
+        log(f"ingest: writing {n} files of {tokens * layers * hidden * 2 / 2**20:.0f} MiB to {shared}")
+        files, prompts = prepare_files(shared, n, tokens, layers, hidden)
+        hs_bytes = n * tokens * layers * hidden * 2
+        total, dt = raw_copy(shared, workdir / "rawcopy")
+        raw_gbps = total / dt / 1e9
+        shutil.rmtree(workdir / "rawcopy")
+        log(f"ingest: raw copy /dev/shm -> disk {total / 1e9:.2f} GB in {dt:.2f}s = {raw_gbps:.3f} GB/s")
+        server = ReadyServer(files)
+        url = server.start()
+        try:
+            store = HiddenStateStore.create(
+                workdir / "ingest", StoreHeader("ready", (1, 2, 3, 4), hidden, "float16")
+            )
+            cfg = GenerateConfig(client=ClientConfig([url], shared_dir=str(shared)), shard_bytes=256 << 20)
+            t0 = time.perf_counter()
+            summary = asyncio.run(generate(cfg, prompts, store, progress=False))
+            dt = time.perf_counter() - t0
+        finally:
+            server.stop()
+        assert summary.stored == n, summary.to_json()
+        gbps = hs_bytes / dt / 1e9
+        log(f"ingest: hsgen landed {hs_bytes / 1e9:.2f} GB of hidden states in {dt:.2f}s = {gbps:.3f} GB/s")
+        return {
+            "ingest_gbps": round(gbps, 3),
+            "raw_copy_gbps": round(raw_gbps, 3),
+            "ingest_ratio": round(gbps / raw_gbps, 3),
+        }
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="short runs (about a minute or two on 2 cores)")
+    ap.add_argument("--capacities", default=None, help="comma-separated concurrent-sequence capacities")
+    ap.add_argument("--rate", type=float, default=150.0, help="server capacity in sequences per second")
+    ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--skip-saturation", action="store_true")
+    ap.add_argument("--skip-ingest", action="store_true")
+    ap.add_argument(
+        "--workdir", default=None, help="disk directory for stores (default: a temp dir under /tmp)"
+    )
+    args = ap.parse_args()
+    caps = (
+        [int(x) for x in args.capacities.split(",")]
+        if args.capacities
+        else ([4, 32, 256] if args.quick else [4, 16, 64, 256])
+    )
+    workdir = Path(tempfile.mkdtemp(prefix="hsgen-bench-", dir=args.workdir or "/tmp"))
+    out: dict = {}
+    try:
+        if not args.skip_saturation:
+            rows = bench_saturation(caps, args.rate, args.prompt_len, args.quick, workdir)
+            out["saturation"] = rows
+            out["saturation_min"] = min(r["hsgen_default"] for r in rows)
+        if not args.skip_ingest:
+            out.update(bench_ingest(workdir, args.quick))
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    final = {
+        "saturation_min": out.get("saturation_min"),
+        "ingest_ratio": out.get("ingest_ratio"),
+        "ingest_gbps": out.get("ingest_gbps"),
+    }
+    log(json.dumps(out))
+    print(json.dumps(final))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""Concurrency policies against a simulated batching server (steps of at most C sequences)."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+
+import pytest
+
+from hsgen.saturate import RUNNING, WAITING, SaturationConfig, Saturator
+
+
+class SimServer:
+    """Runs steps of at most ``capacity`` queued requests, each step lasting ``step_s``."""
+
+    def __init__(self, capacity: int, step_s: float):
+        self.capacity = capacity
+        self.step_s = step_s
+        self.queue: collections.deque = collections.deque()
+        self.running = 0
+        self.done_times: list[float] = []
+        self.wake = asyncio.Event()
+
+    async def run(self) -> None:
+        while True:
+            if not self.queue:
+                self.wake.clear()
+                await self.wake.wait()
+                continue
+            batch = [self.queue.popleft() for _ in range(min(self.capacity, len(self.queue)))]
+            self.running = len(batch)
+            await asyncio.sleep(self.step_s)
+            self.running = 0
+            now = time.monotonic()
+            for f in batch:
+                self.done_times.append(now)
+                f.set_result(None)
+
+    async def request(self) -> None:
+        fut = asyncio.get_running_loop().create_future()
+        self.queue.append(fut)
+        self.wake.set()
+        await fut
+
+    async def metrics(self) -> dict[str, float]:
+        return {WAITING: float(len(self.queue)), RUNNING: float(self.running)}
+
+    def rate(self, since: float) -> float:
+        n = sum(1 for t in self.done_times if t >= since)
+        return n / (time.monotonic() - since)
+
+
+async def drive(servers: dict[str, SimServer], sat: Saturator, seconds: float, overhead_s: float = 0.002):
+    """Dispatch requests as the saturator allows, like the generate pipeline does."""
+    tasks: set[asyncio.Task] = set()
+
+    async def one(url: str) -> None:
+        t0 = time.monotonic()
+        await servers[url].request()
+        await asyncio.sleep(overhead_s)  # response transfer + reading the file
+        await sat.release(url, latency_s=time.monotonic() - t0, tokens=100, ok=True)
+
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        url = await sat.acquire()
+        t = asyncio.create_task(one(url))
+        tasks.add(t)
+        t.add_done_callback(tasks.discard)
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def run_policy(
+    capacity: int, step_s: float, config: SaturationConfig, with_metrics: bool, seconds: float
+):
+    server = SimServer(capacity, step_s)
+    runner = asyncio.create_task(server.run())
+
+    async def metrics(url):
+        return await server.metrics() if with_metrics else None
+
+    sat = Saturator(config, ["http://sim"], metrics)
+    await sat.start()
+    try:
+        measure_from = time.monotonic() + seconds * 0.5
+        await drive({"http://sim": server}, sat, seconds)
+        ideal = capacity / step_s
+        return server.rate(measure_from) / ideal, sat.controls["http://sim"]
+    finally:
+        await sat.stop()
+        runner.cancel()
+
+
+@pytest.mark.parametrize("capacity", [4, 48])
+async def test_metrics_policy_saturates(capacity):
+    frac, ctrl = await run_policy(capacity, 0.04, SaturationConfig(), True, 4.0)
+    assert ctrl.mode == "metrics"
+    assert frac >= 0.85, f"reached {frac:.2f} of capacity {capacity} (limit {ctrl.slots})"
+    assert ctrl.slots <= 4 * capacity + 16, f"limit {ctrl.slots} floods a server of capacity {capacity}"
+
+
+async def test_latency_policy_saturates_without_metrics():
+    frac, ctrl = await run_policy(16, 0.04, SaturationConfig(), False, 4.0)
+    assert ctrl.mode == "latency"
+    assert frac >= 0.8, f"reached {frac:.2f} of capacity (limit {ctrl.slots})"
+    assert ctrl.slots <= 6 * 16
+
+
+async def test_metrics_unavailable_falls_back_to_latency():
+    frac, ctrl = await run_policy(8, 0.03, SaturationConfig(poll_s=0.01), True, 0.1)
+    server_down = Saturator(SaturationConfig(poll_s=0.01), ["http://x"], lambda url: asyncio.sleep(0, None))
+    await server_down.start()
+    await asyncio.sleep(0.2)
+    await server_down.stop()
+    assert server_down.controls["http://x"].mode == "latency"
+
+
+async def test_fixed_concurrency_is_a_hard_limit():
+    frac, ctrl = await run_policy(32, 0.03, SaturationConfig(concurrency=4), True, 1.0)
+    assert ctrl.mode == "fixed" and ctrl.slots == 4
+    assert frac < 0.2, "4 in flight cannot fill a 32-sequence server"
+
+
+async def test_acquire_prefers_least_loaded_and_healthy():
+    healthy = {"http://a": True, "http://b": True}
+    sat = Saturator(SaturationConfig(concurrency=2), list(healthy), healthy=lambda u: healthy[u])
+    got = [await sat.acquire() for _ in range(4)]
+    assert sorted(got) == ["http://a", "http://a", "http://b", "http://b"]
+    waiter = asyncio.create_task(sat.acquire())
+    await asyncio.sleep(0.05)
+    assert not waiter.done(), "no free slot: acquire waits"
+    healthy["http://a"] = False
+    await sat.release("http://a", latency_s=0.1, tokens=1, ok=True)
+    await asyncio.sleep(0.05)
+    assert not waiter.done(), "a free slot on an unhealthy server is not used"
+    await sat.release("http://b", latency_s=0.1, tokens=1, ok=True)
+    assert await asyncio.wait_for(waiter, 1) == "http://b"
