@@ -1,0 +1,417 @@
+"""DFlash: a block-diffusion draft that proposes ``block_size - 1`` tokens in one forward pass.
+
+The verifier's auxiliary-layer states are concatenated, projected by ``fc`` and normed by
+``hidden_norm``; the result is injected as extra keys/values into every draft layer. The
+draft's own input is a block ``[anchor token, MASK x (B-1)]``; inside the block attention is
+bidirectional, and the block sees the verifier context strictly before the anchor (same
+document). Position ``k`` of the block predicts the token ``k`` places after the anchor.
+
+Training draws up to ``max_anchors`` random anchors per packed sequence where the loss mask
+is 1 and the whole block fits in the anchor's document, and weights position ``k`` by
+``exp(-(k - 1) / gamma)``. Embeddings and LM head are the verifier's, frozen. Module names
+equal vLLM's ``DFlashDraftModel`` weight names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from spectrain.data import Batch
+from spectrain.models.common import (
+    build_vocab_map,
+    chain_metrics,
+    default_dflash_gamma,
+    distill_loss,
+    draft_to_target_ids,
+    loss_decay_weights,
+)
+from spectrain.models.layers import MLP, MaskSpec, PreparedMask, RMSNorm, apply_rope, rope_cos_sin
+from spectrain.models.registry import DraftConfig, DraftContext, DraftModel, register
+from spectrain.verifier import VerifierHeads
+
+
+@register("dflash")
+@dataclass
+class DFlashConfig(DraftConfig):
+    """DFlash options (the shared ones are documented on :class:`DraftConfig`)."""
+
+    num_layers: int = 5
+    block_size: int = 16
+    """Tokens per block: the anchor plus ``block_size - 1`` proposed tokens."""
+    max_anchors: int = 512
+    """Most anchors drawn per packed sequence (bounds the attention mask)."""
+    mask_token_id: int | None = None
+    """Token id whose (frozen) embedding fills the masked block slots; None = verifier vocab_size - 1."""
+    loss_gamma: float | None = None
+    """Decay of the per-position loss weight; None = 7 / 5 / 4 for block size 16 / 10 / 8."""
+
+    @staticmethod
+    def model_class() -> type[DraftModel]:
+        return DFlashDraft
+
+
+class DFlashAttention(nn.Module):
+    """Qwen3 attention whose keys/values also cover the injected verifier context."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, eps: float):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+        self.q_norm = RMSNorm(head_dim, eps)
+        self.k_norm = RMSNorm(head_dim, eps)
+
+    def forward(self, x, ctx, rope_q, rope_k, mask: PreparedMask) -> torch.Tensor:
+        Q = x.shape[0]
+        q = self.q_norm(self.q_proj(x).view(Q, self.heads, self.head_dim)).transpose(0, 1)
+        kv_in = torch.cat([ctx.to(x.dtype), x], dim=0)
+        K = kv_in.shape[0]
+        k = self.k_norm(self.k_proj(kv_in).view(K, self.kv_heads, self.head_dim)).transpose(0, 1)
+        v = self.v_proj(kv_in).view(K, self.kv_heads, self.head_dim).transpose(0, 1)
+        q = apply_rope(q, *rope_q)
+        k = apply_rope(k, *rope_k)
+        v = v.to(q.dtype)
+        k = k.to(q.dtype)
+        out = mask(q, k, v)
+        return self.o_proj(out.transpose(0, 1).reshape(Q, self.heads * self.head_dim))
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int, eps: float):
+        super().__init__()
+        self.self_attn = DFlashAttention(hidden, heads, kv_heads, head_dim, eps)
+        self.mlp = MLP(hidden, intermediate)
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+
+    def forward(self, x, ctx, rope_q, rope_k, mask) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_k, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def dflash_mask(
+    doc_ids: torch.Tensor, anchors: torch.Tensor, anchor_docs: torch.Tensor, block_size: int
+) -> MaskSpec:
+    """Queries: ``N`` blocks of ``block_size``; keys: ``S`` context slots then the ``N`` blocks.
+
+    A query of block ``n`` sees context slot ``j`` iff ``j`` is in the anchor's document and
+    ``j < anchors[n]``, and every slot of its own block (bidirectional); nothing else.
+    """
+    S, N, B = int(doc_ids.shape[0]), int(anchors.shape[0]), block_size
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        n = q_idx // B
+        a = anchors[n]
+        d = anchor_docs[n]
+        j = kv_idx.clamp(max=S - 1)
+        ctx_ok = (kv_idx < S) & (doc_ids[j] == d) & (kv_idx < a)
+        blk_ok = (kv_idx >= S) & ((kv_idx - S) // B == n)
+        return ctx_ok | blk_ok
+
+    return MaskSpec(N * B, S + N * B, mask_mod, doc_ids.device)
+
+
+class DFlashDraft(DraftModel):
+    """The DFlash draft. ``forward(batch)`` trains; ``propose(context)`` drafts one block.
+
+    Module names are exactly vLLM's: ``fc``, ``hidden_norm``, ``layers.{i}.*``, ``norm``.
+    """
+
+    config_class = DFlashConfig
+
+    def __init__(self, cfg: DFlashConfig, verifier: VerifierHeads):
+        super().__init__(cfg, verifier)
+        info = verifier.info
+        if cfg.aux_layer_ids is None:
+            raise ValueError("DFlashConfig.aux_layer_ids must be resolved (from the store) before building")
+        if cfg.block_size < 2:
+            raise ValueError(f"block_size must be >= 2, got {cfg.block_size}")
+        H = verifier.hidden_size
+        self.hidden = H
+        self.heads = cfg.num_attention_heads or info.num_attention_heads
+        self.kv_heads = cfg.num_key_value_heads or info.num_key_value_heads
+        self.head_dim = cfg.head_dim or info.head_dim
+        self.intermediate = cfg.intermediate_size or info.intermediate_size
+        self.eps = info.rms_norm_eps
+        self.theta = info.rope_theta
+        self.n_aux = len(cfg.aux_layer_ids)
+        self.mask_token_id = cfg.mask_token_id if cfg.mask_token_id is not None else verifier.vocab_size - 1
+        if not 0 <= self.mask_token_id < verifier.vocab_size:
+            raise ValueError(
+                f"mask_token_id {self.mask_token_id} outside the vocabulary of {verifier.vocab_size}"
+            )
+        self.gamma = cfg.loss_gamma if cfg.loss_gamma is not None else default_dflash_gamma(cfg.block_size)
+        self.fc = nn.Linear(self.n_aux * H, H, bias=False)
+        self.hidden_norm = RMSNorm(H, self.eps)
+        self.layers = nn.ModuleList(
+            DFlashLayer(H, self.heads, self.kv_heads, self.head_dim, self.intermediate, self.eps)
+            for _ in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(H, self.eps)
+        self.reduced = cfg.draft_vocab_size is not None and cfg.draft_vocab_size < verifier.vocab_size
+        self.needs_token_counts = self.reduced
+        if self.reduced:
+            self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
+            self.register_buffer("t2d", torch.zeros(verifier.vocab_size, dtype=torch.bool))
+        self.reset_parameters()
+        self.last_flops = 0.0
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=std)
+            elif isinstance(m, RMSNorm):
+                nn.init.ones_(m.weight)
+
+    # ------------------------------------------------------------------ vocabulary
+
+    def prepare(self, token_counts: torch.Tensor | None) -> None:
+        """Build d2t/t2d from token counts when the draft vocabulary is reduced."""
+        if not self.reduced:
+            return
+        if token_counts is None:
+            raise ValueError("a reduced draft vocabulary needs token counts from the training data")
+        d2t, t2d = build_vocab_map(token_counts, self.cfg.draft_vocab_size)
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    def _draft_ids(self) -> torch.Tensor | None:
+        return draft_to_target_ids(self.d2t) if self.reduced else None
+
+    def _head(self, h: torch.Tensor, draft_ids: torch.Tensor | None) -> torch.Tensor:
+        w = self.verifier.lm_head if draft_ids is None else self.verifier.lm_head.index_select(0, draft_ids)
+        return torch.nn.functional.linear(
+            h, w.to(h.dtype) if not torch.is_autocast_enabled(h.device.type) else w
+        )
+
+    # ------------------------------------------------------------------ core
+
+    def _dtype_in(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_autocast_enabled(x.device.type):
+            return x
+        return x.to(self.fc.weight.dtype)
+
+    def context_features(self, aux: torch.Tensor) -> torch.Tensor:
+        """``hidden_norm(fc(aux))`` for ``aux`` ``[T, n_aux, H]`` or ``[T, n_aux * H]``."""
+        aux = aux.reshape(aux.shape[0], -1)
+        if aux.shape[1] != self.fc.in_features:
+            raise ValueError(f"aux hidden states have width {aux.shape[1]}, fc expects {self.fc.in_features}")
+        return self.hidden_norm(self.fc(self._dtype_in(aux)))
+
+    def _run_blocks(self, ctx, ctx_pos, anchor_tokens, anchor_pos, spec: MaskSpec, device) -> torch.Tensor:
+        """Draft layers over ``N`` blocks; returns final-normed states ``[N, B, H]``."""
+        N, B = int(anchor_tokens.shape[0]), self.cfg.block_size
+        ids = torch.full((N, B), self.mask_token_id, dtype=torch.int64, device=device)
+        ids[:, 0] = anchor_tokens
+        x = self._dtype_in(self.verifier.embed(ids).reshape(N * B, -1))
+        pos_q = (anchor_pos[:, None] + torch.arange(B, device=device)[None, :]).reshape(-1)
+        rope_q = rope_cos_sin(pos_q, self.head_dim, self.theta)
+        rope_k = rope_cos_sin(torch.cat([ctx_pos, pos_q]), self.head_dim, self.theta)
+        mask = PreparedMask(spec, self.backend(device))
+        for layer in self.layers:
+            x = layer(x, ctx, rope_q, rope_k, mask)
+        return self.norm(x).view(N, B, -1)
+
+    def sample_anchors(self, batch: Batch, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Sorted anchor slots: loss mask 1, block inside the document, at least one context token."""
+        B = self.cfg.block_size
+        slots = torch.arange(batch.seq_len, device=batch.input_ids.device)
+        ok = (
+            batch.loss_mask & (batch.doc_ids >= 0) & (slots + B <= batch.doc_ends) & (batch.position_ids >= 1)
+        )
+        cand = ok.nonzero().flatten()
+        if cand.numel() > self.cfg.max_anchors:
+            scores = torch.rand(cand.numel(), generator=generator)
+            pick = scores.topk(self.cfg.max_anchors).indices.to(cand.device)
+            cand = cand[pick].sort().values
+        return cand
+
+    def forward(
+        self, batch: Batch, generator: torch.Generator | None = None
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Loss on one packed sequence, and metric sums over the drawn anchors."""
+        device = batch.input_ids.device
+        B = self.cfg.block_size
+        anchors = self.sample_anchors(batch, generator)
+        n_real = int(anchors.shape[0])
+        if n_real == 0:
+            zero = sum(p.sum() for p in self.parameters() if p.requires_grad) * 0.0
+            K = B - 1
+            z = torch.zeros(K, dtype=torch.float64, device=device)
+            s = torch.zeros((), dtype=torch.float64, device=device)
+            self.last_flops = 0.0
+            return zero, {"acc_correct": z, "acc_total": z.clone(), "accepted_sum": s, "chains": s.clone()}
+        anchor_docs = batch.doc_ids[anchors]
+        anchor_valid = torch.ones(n_real, dtype=torch.bool, device=device)
+        if self.backend(device) == "flex" and n_real < self.cfg.max_anchors:
+            pad = self.cfg.max_anchors - n_real
+            anchors = torch.cat([anchors, anchors.new_zeros(pad)])
+            anchor_docs = torch.cat([anchor_docs, anchor_docs.new_full((pad,), -2)])
+            anchor_valid = torch.cat([anchor_valid, anchor_valid.new_zeros(pad)])
+        ctx = self.context_features(batch.aux_hidden)
+        spec = dflash_mask(batch.doc_ids, anchors, anchor_docs, B)
+        out = self._run_blocks(ctx, batch.position_ids, batch.input_ids[anchors], batch.position_ids[anchors],
+                               spec, device)  # fmt: skip
+        h = out[:, 1:]  # [N, B-1, H]: position k predicts the token k after the anchor
+        N = h.shape[0]
+        k = torch.arange(1, B, device=device)
+        label_slots = (anchors[:, None] + k[None, :]).clamp(max=batch.seq_len - 1)
+        valid = batch.loss_mask[label_slots] & anchor_valid[:, None]
+        draft_ids = self._draft_ids()
+        logits = self._head(h.reshape(N * (B - 1), -1), draft_ids)
+        with torch.no_grad():
+            tgt_full = self.verifier.logits(batch.last_hidden[label_slots - 1].reshape(N * (B - 1), -1))
+            greedy = tgt_full.argmax(-1)
+            tgt = tgt_full if draft_ids is None else tgt_full.index_select(1, draft_ids)
+        rows = distill_loss(logits, tgt, self.cfg.target_mode).view(N, B - 1)
+        w = loss_decay_weights(B - 1, self.gamma, device)[None, :] * valid.float()
+        loss = (rows * w).sum() / w.sum().clamp_min(1e-6)
+        pred = logits.detach().argmax(-1)
+        if draft_ids is not None:
+            pred = draft_ids[pred]
+        correct = (pred == greedy).view(N, B - 1)
+        self.last_anchors = anchors[anchor_valid].detach()
+        self.last_predictions = pred.view(N, B - 1)[anchor_valid]
+        metrics = chain_metrics(correct[anchor_valid], valid[anchor_valid])
+        metrics["loss_sum"] = (rows.detach() * w).sum().double()
+        metrics["weight_sum"] = w.sum().double()
+        self.last_flops = self._flops(batch, anchors[anchor_valid], N)
+        return loss, metrics
+
+    def _flops(self, batch: Batch, anchors: torch.Tensor, n_blocks: int) -> float:
+        B, H, S = self.cfg.block_size, self.hidden, batch.seq_len
+        Q = n_blocks * B
+        qd, kvd = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        ctx_keys = float(batch.position_ids[anchors].sum().item()) + len(anchors) * B
+        pairs = ctx_keys * B
+        layer = 2 * Q * H * qd * 2 + 2 * (S + Q) * H * kvd * 2 + 2 * Q * H * self.intermediate * 3
+        layer += 4 * pairs * qd
+        vocab = self.cfg.draft_vocab_size if self.reduced else self.verifier.vocab_size
+        rows = n_blocks * (B - 1)
+        head = 2 * rows * H * vocab * 2 + 2 * rows * H * self.verifier.vocab_size
+        fc = 2 * S * self.fc.in_features * H
+        return 3.0 * (len(self.layers) * layer + fc) + head
+
+    @torch.no_grad()
+    def propose(self, context: DraftContext, num_tokens: int | None = None) -> list[int]:
+        """Draft one block in ONE forward pass.
+
+        Args:
+            context: ``aux_hidden_states`` ``[T, n_aux * H]`` (verifier aux-layer states of the
+                context positions ``0..T-1``) and ``token_ids`` (``T + 1`` ids; only the last,
+                the bonus token the verifier produced from position ``T - 1``, is used: it is
+                the anchor at position ``T``).
+            num_tokens: how many to return, at most (default) ``block_size - 1``.
+
+        Returns:
+            ``num_tokens`` greedy proposals (verifier vocabulary ids) for positions ``T+1...``.
+        """
+        B = self.cfg.block_size
+        n = B - 1 if num_tokens is None else num_tokens
+        if not 0 < n <= B - 1:
+            raise ValueError(f"DFlash proposes 1..{B - 1} tokens per block, asked for {n}")
+        device = self.fc.weight.device
+        aux = torch.as_tensor(context.aux_hidden_states).to(device)
+        T = aux.shape[0]
+        if T < 1:
+            raise ValueError("DFlash needs at least one context position")
+        tokens = torch.as_tensor(context.token_ids, dtype=torch.int64, device=device)
+        if tokens.numel() != T + 1:
+            raise ValueError(
+                f"token_ids must hold T + 1 = {T + 1} ids (context + bonus), got {tokens.numel()}"
+            )
+        ctx = self.context_features(aux)
+        doc = torch.zeros(T, dtype=torch.int64, device=device)
+        anchor = torch.tensor([T], device=device)
+        spec = dflash_mask(doc, anchor, torch.zeros(1, dtype=torch.int64, device=device), B)
+        out = self._run_blocks(ctx, torch.arange(T, device=device), tokens[-1:], anchor, spec, device)
+        draft_ids = self._draft_ids()
+        pred = self._head(out[0, 1 : n + 1], draft_ids).argmax(-1)
+        if draft_ids is not None:
+            pred = draft_ids[pred]
+        return [int(t) for t in pred.tolist()]
+
+    # ------------------------------------------------------------------ export
+
+    def vllm_state_dict(self, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        sd = dict(self.state_dict() if state is None else state)
+        if self.reduced:
+            d2t = sd["d2t"].to(self.verifier.lm_head.device)
+            sd["lm_head.weight"] = self.verifier.lm_head.index_select(0, draft_to_target_ids(d2t)).detach()
+        return sd
+
+    def vllm_config(self, verifier_name: str, architectures: Sequence[str]) -> dict[str, Any]:
+        info = self.verifier.info
+        cfg: DFlashConfig = self.cfg
+        layer_cfg = qwen3_layer_config(
+            info, self.hidden, len(self.layers), self.heads, self.kv_heads, self.head_dim, self.intermediate
+        )
+        return {
+            "architectures": ["DFlashDraftModel"],
+            "speculators_model_type": "dflash",
+            "transformer_layer_config": layer_cfg,
+            "speculators_config": speculators_config(
+                "dflash", cfg.block_size - 1, verifier_name, architectures
+            ),
+            "draft_vocab_size": cfg.draft_vocab_size if self.reduced else info.vocab_size,
+            "target_hidden_size": None if info.hidden_size == self.hidden else info.hidden_size,
+            "aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
+            "mask_token_id": self.mask_token_id,
+            "block_size": cfg.block_size,
+            "sample_from_anchor": False,
+            "torch_dtype": "bfloat16",
+        }
+
+
+def qwen3_layer_config(
+    info, hidden, layers, heads, kv_heads, head_dim, intermediate, model_type="qwen3"
+) -> dict:
+    """An HF decoder config (``transformer_layer_config``) for the draft's layers."""
+    cfg = {
+        "model_type": model_type,
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "intermediate_size": intermediate,
+        "vocab_size": info.vocab_size,
+        "rms_norm_eps": info.rms_norm_eps,
+        "rope_theta": info.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": info.rope_theta},
+        "max_position_embeddings": info.max_position_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+    }
+    if model_type == "qwen3":
+        cfg["layer_types"] = ["full_attention"] * layers
+        cfg["use_sliding_window"] = False
+        cfg["sliding_window"] = None
+    if model_type == "llama":
+        cfg["mlp_bias"] = False
+    return cfg
+
+
+def speculators_config(algorithm: str, tokens: int, verifier_name: str, architectures: Sequence[str]) -> dict:
+    """The ``speculators_config`` block vLLM reads (greedy proposals of ``tokens`` tokens)."""
+    return {
+        "algorithm": algorithm,
+        "default_proposal_method": "greedy",
+        "proposal_methods": [
+            {
+                "proposal_type": "greedy",
+                "speculative_tokens": tokens,
+                "verifier_accept_k": 1,
+                "accept_tolerance": 0.0,
+            }
+        ],
+        "verifier": {"name_or_path": verifier_name, "architectures": list(architectures)},
+    }

@@ -1,0 +1,338 @@
+"""Eagle3: a one-layer autoregressive draft fed by three verifier layers.
+
+Position ``t`` of the draft takes ``fc(concat(aux states at t))`` and the embedding of token
+``t + 1`` (normed separately and concatenated to ``2 * hidden``) and predicts token ``t + 2``
+over a reduced draft vocabulary (``d2t``/``t2d``, the most frequent tokens of the training
+data). Training-time test runs ``ttt_steps`` steps: step ``j`` feeds the draft's own
+pre-norm output of step ``j - 1`` back in with the embedding of token ``t + j + 1``, attends
+to the verifier-fed keys up to ``t`` plus its own chain (the diagonal of earlier steps), and is
+weighted ``ttt_step_loss_decay ** j``. Targets are the verifier's distribution
+``lm_head(norm(h_last))`` restricted to the draft vocabulary. Module names equal vLLM's
+``Eagle3LlamaForCausalLM`` weight names.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from spectrain.data import Batch
+from spectrain.models.common import build_vocab_map, chain_metrics, distill_loss, draft_to_target_ids
+from spectrain.models.dflash import qwen3_layer_config, speculators_config
+from spectrain.models.layers import MLP, MaskSpec, PreparedMask, RMSNorm, apply_rope, rope_cos_sin
+from spectrain.models.registry import DraftConfig, DraftContext, DraftModel, register
+from spectrain.verifier import VerifierHeads
+
+log = logging.getLogger(__name__)
+
+
+@register("eagle3")
+@dataclass
+class Eagle3Config(DraftConfig):
+    """Eagle3 options (the shared ones are documented on :class:`DraftConfig`)."""
+
+    num_layers: int = 1
+    draft_vocab_size: int | None = 32000
+    """Draft vocabulary size (clamped to the verifier's vocabulary)."""
+    ttt_steps: int = 3
+    """Training-time-test steps (the first is the ordinary next-token step)."""
+    ttt_step_loss_decay: float = 0.8
+    """Loss weight of step ``j`` is ``ttt_step_loss_decay ** j``."""
+    norm_before_residual: bool = True
+    """Residual taken after ``hidden_norm`` (vLLM's default)."""
+    logits_chunk: int = 2048
+    """Rows per chunk when computing the verifier's full-vocabulary targets."""
+
+    @staticmethod
+    def model_class() -> type[DraftModel]:
+        return Eagle3Draft
+
+
+class Eagle3Attention(nn.Module):
+    """Llama attention over ``2 * hidden`` inputs (no q/k norm)."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.q_proj = nn.Linear(2 * hidden, heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(2 * hidden, kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(2 * hidden, kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+
+    def qkv(self, x: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, self.heads, self.head_dim).transpose(0, 1)
+        k = self.k_proj(x).view(T, self.kv_heads, self.head_dim).transpose(0, 1)
+        v = self.v_proj(x).view(T, self.kv_heads, self.head_dim).transpose(0, 1)
+        return apply_rope(q, *rope), apply_rope(k, *rope).to(q.dtype), v.to(q.dtype)
+
+
+class Eagle3Layer(nn.Module):
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int, eps: float,
+                 norm_before_residual: bool):  # fmt: skip
+        super().__init__()
+        self.self_attn = Eagle3Attention(hidden, heads, kv_heads, head_dim)
+        self.mlp = MLP(hidden, intermediate)
+        self.hidden_norm = RMSNorm(hidden, eps)
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        self.norm_before_residual = norm_before_residual
+
+    def pre_attention(self, embeds: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(attention input [T, 2H], residual [T, H])``."""
+        e = self.input_layernorm(embeds)
+        hn = self.hidden_norm(hidden)
+        residual = hn if self.norm_before_residual else hidden
+        return torch.cat([e, hn.to(e.dtype)], dim=-1), residual
+
+    def post_attention(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """Pre-norm output (``mlp(norm(attn + residual)) + attn + residual``)."""
+        T = attn.shape[1]
+        o = self.self_attn.o_proj(attn.transpose(0, 1).reshape(T, -1))
+        residual = residual + o
+        return residual + self.mlp(self.post_attention_layernorm(residual))
+
+
+def ttt_mask(doc_ids: torch.Tensor, step: int) -> MaskSpec:
+    """Step ``step`` queries ``[S]`` over keys of steps ``0..step`` (``(step + 1) * S``).
+
+    Query ``t`` sees step-0 keys ``s <= t`` of its document, and the key at ``t`` itself of
+    every later step (its own draft chain).
+    """
+    S = int(doc_ids.shape[0])
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        st = kv_idx // S
+        s = kv_idx % S
+        first = (st == 0) & (doc_ids[s] == doc_ids[q_idx]) & (s <= q_idx)
+        chain = (st > 0) & (s == q_idx)
+        return first | chain
+
+    return MaskSpec(S, (step + 1) * S, mask_mod, doc_ids.device)
+
+
+class Eagle3Draft(DraftModel):
+    """The Eagle3 draft. ``forward(batch)`` trains; ``propose(context, k)`` drafts a chain."""
+
+    config_class = Eagle3Config
+    needs_token_counts = True
+
+    def __init__(self, cfg: Eagle3Config, verifier: VerifierHeads):
+        super().__init__(cfg, verifier)
+        info = verifier.info
+        if cfg.aux_layer_ids is None:
+            raise ValueError("Eagle3Config.aux_layer_ids must be resolved (from the store) before building")
+        if len(cfg.aux_layer_ids) != 3:
+            raise ValueError(f"Eagle3 uses exactly 3 auxiliary layers, got {list(cfg.aux_layer_ids)}")
+        if cfg.num_layers != 1:
+            raise ValueError(f"Eagle3 has one decoder layer (vLLM), got num_layers={cfg.num_layers}")
+        if cfg.ttt_steps < 1:
+            raise ValueError(f"ttt_steps must be >= 1, got {cfg.ttt_steps}")
+        H = verifier.hidden_size
+        self.hidden = H
+        self.heads = cfg.num_attention_heads or info.num_attention_heads
+        self.kv_heads = cfg.num_key_value_heads or info.num_key_value_heads
+        self.head_dim = cfg.head_dim or info.head_dim
+        self.intermediate = cfg.intermediate_size or info.intermediate_size
+        self.eps = info.rms_norm_eps
+        self.theta = info.rope_theta
+        vocab = verifier.vocab_size
+        dv = cfg.draft_vocab_size or vocab
+        if dv > vocab:
+            log.info("draft_vocab_size %d > verifier vocabulary %d; using %d", dv, vocab, vocab)
+            dv = vocab
+        self.draft_vocab = dv
+        self.fc = nn.Linear(3 * H, H, bias=False)
+        self.layers = nn.ModuleList(
+            [Eagle3Layer(H, self.heads, self.kv_heads, self.head_dim, self.intermediate, self.eps,
+                         cfg.norm_before_residual)]
+        )  # fmt: skip
+        self.norm = RMSNorm(H, self.eps)
+        self.lm_head = nn.Linear(H, dv, bias=False)
+        self.register_buffer("d2t", torch.zeros(dv, dtype=torch.int64))
+        self.register_buffer("t2d", torch.zeros(vocab, dtype=torch.bool))
+        self.reset_parameters()
+        self.prepare(torch.zeros(vocab))
+        self.last_flops = 0.0
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=std)
+            elif isinstance(m, RMSNorm):
+                nn.init.ones_(m.weight)
+
+    def prepare(self, token_counts: torch.Tensor | None) -> None:
+        """Build d2t/t2d from token counts and start ``lm_head`` from the verifier's rows."""
+        if token_counts is None:
+            token_counts = torch.zeros(self.verifier.vocab_size)
+        d2t, t2d = build_vocab_map(token_counts.cpu(), self.draft_vocab)
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+        with torch.no_grad():
+            rows = self.verifier.lm_head.index_select(
+                0, draft_to_target_ids(d2t).to(self.verifier.lm_head.device)
+            )
+            self.lm_head.weight.copy_(rows.to(self.lm_head.weight.dtype))
+
+    @property
+    def layer(self) -> Eagle3Layer:
+        return self.layers[0]
+
+    def _dtype_in(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_autocast_enabled(x.device.type):
+            return x
+        return x.to(self.fc.weight.dtype)
+
+    def _targets(self, last: torch.Tensor, draft_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Verifier logits over the draft vocabulary ``[S, Vd]`` and greedy target ids ``[S]``."""
+        chunk = max(1, self.cfg.logits_chunk)
+        restricted, greedy = [], []
+        for i in range(0, last.shape[0], chunk):
+            full = self.verifier.logits(last[i : i + chunk])
+            greedy.append(full.argmax(-1))
+            restricted.append(full.index_select(1, draft_ids))
+        return torch.cat(restricted), torch.cat(greedy)
+
+    def forward(
+        self, batch: Batch, generator: torch.Generator | None = None
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """TTT loss on one packed sequence, and metric sums (chains start at every valid slot)."""
+        cfg: Eagle3Config = self.cfg
+        device = batch.input_ids.device
+        S, K = batch.seq_len, cfg.ttt_steps
+        slots = torch.arange(S, device=device)
+        draft_ids = draft_to_target_ids(self.d2t)
+        with torch.no_grad():
+            tgt, greedy = self._targets(batch.last_hidden, draft_ids)
+        hidden = self.fc(self._dtype_in(batch.aux_hidden.reshape(S, -1)))
+        keys, values = [], []
+        total = hidden.new_zeros((), dtype=torch.float32)
+        wsum = 0.0
+        corrects, valids, preds = [], [], []
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        for j in range(K):
+            src = slots + j + 1
+            inside = (batch.doc_ids >= 0) & (src < batch.doc_ends)
+            src_c = src.clamp(max=S - 1)
+            tok = torch.where(inside, batch.input_ids[src_c], torch.zeros_like(src_c))
+            lab = (slots + j + 2).clamp(max=S - 1)
+            valid = inside & (slots + j + 2 < batch.doc_ends) & batch.loss_mask[lab]
+            x, residual = self.layer.pre_attention(self._dtype_in(self.verifier.embed(tok)), hidden)
+            rope = rope_cos_sin(batch.position_ids + j, self.head_dim, self.theta)
+            q, k, v = self.layer.self_attn.qkv(x, rope)
+            keys.append(k)
+            values.append(v)
+            mask = PreparedMask(ttt_mask(batch.doc_ids, j), self.backend(device))
+            attn = mask(q, torch.cat(keys, dim=1), torch.cat(values, dim=1))
+            prenorm = self.layer.post_attention(attn, residual)
+            logits = self.lm_head(self.norm(prenorm))
+            rows = distill_loss(logits, tgt[src_c], cfg.target_mode)
+            w = valid.float()
+            step_w = cfg.ttt_step_loss_decay**j
+            denom = w.sum().clamp_min(1.0)
+            total = total + step_w * (rows * w).sum() / denom
+            wsum += step_w
+            loss_sum = loss_sum + (rows.detach() * w).sum().double()
+            pred = draft_ids[logits.detach().argmax(-1)]
+            preds.append(pred)
+            corrects.append(pred == greedy[src_c])
+            valids.append(valid)
+            hidden = prenorm
+        loss = total / wsum
+        self.last_predictions = torch.stack(preds, 1)  # [S, K] target ids
+        metrics = chain_metrics(torch.stack(corrects, 1), torch.stack(valids, 1))
+        metrics["loss_sum"] = loss_sum
+        metrics["weight_sum"] = torch.stack(valids).sum().double()
+        self.last_flops = self._flops(batch)
+        return loss, metrics
+
+    def _flops(self, batch: Batch) -> float:
+        H, S, K = self.hidden, batch.seq_len, self.cfg.ttt_steps
+        qd, kvd = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        real = batch.doc_ids >= 0
+        pairs0 = float((batch.position_ids[real] + 1).sum().item())
+        per_step = 2 * S * 2 * H * (qd + 2 * kvd) + 2 * S * qd * H + 2 * S * H * self.intermediate * 3
+        per_step += 2 * S * H * self.draft_vocab
+        attn = sum(4 * qd * (pairs0 + j * S) for j in range(K))
+        trainable = K * per_step + attn + 2 * S * 3 * H * H
+        return 3.0 * trainable + 2 * S * H * self.verifier.vocab_size
+
+    @torch.no_grad()
+    def propose(self, context: DraftContext, num_tokens: int | None = None) -> list[int]:
+        """Draft a greedy chain of ``num_tokens`` tokens (default ``ttt_steps``), recomputing each step.
+
+        Args:
+            context: ``aux_hidden_states`` ``[T, 3 * H]`` (verifier aux-layer states of context
+                positions ``0..T-1``) and ``token_ids`` (``T + 1`` ids: the context tokens and,
+                last, the bonus token the verifier produced from position ``T - 1``).
+            num_tokens: chain length K.
+
+        Returns:
+            ``K`` proposals (verifier vocabulary ids) for positions ``T+1 .. T+K``.
+        """
+        n = self.cfg.ttt_steps if num_tokens is None else num_tokens
+        if n < 1:
+            raise ValueError(f"num_tokens must be >= 1, got {n}")
+        device = self.fc.weight.device
+        aux = torch.as_tensor(context.aux_hidden_states).to(device)
+        T = aux.shape[0]
+        tokens = torch.as_tensor(context.token_ids, dtype=torch.int64, device=device)
+        if T < 1 or tokens.numel() != T + 1:
+            raise ValueError(f"need T >= 1 aux rows and T + 1 token ids, got {T} and {tokens.numel()}")
+        hidden = self.fc(self._dtype_in(aux.reshape(T, -1)))
+        ids = tokens[1:]
+        draft_ids = draft_to_target_ids(self.d2t)
+        out: list[int] = []
+        for _ in range(n):
+            L = ids.shape[0]
+            x, residual = self.layer.pre_attention(self._dtype_in(self.verifier.embed(ids)), hidden)
+            q, k, v = self.layer.self_attn.qkv(x, rope_cos_sin(torch.arange(L, device=device), self.head_dim,
+                                                                self.theta))  # fmt: skip
+            attn = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True,
+                                                  enable_gqa=self.heads != self.kv_heads)[0]  # fmt: skip
+            prenorm = self.layer.post_attention(attn, residual)
+            nxt = draft_ids[self.lm_head(self.norm(prenorm[-1:])).argmax(-1)]
+            out.append(int(nxt.item()))
+            hidden = torch.cat([hidden, prenorm[-1:].to(hidden.dtype)])
+            ids = torch.cat([ids, nxt])
+        return out
+
+    # ------------------------------------------------------------------ export
+
+    def vllm_state_dict(self, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        return dict(self.state_dict() if state is None else state)
+
+    def vllm_config(self, verifier_name: str, architectures: Sequence[str]) -> dict[str, Any]:
+        info = self.verifier.info
+        cfg: Eagle3Config = self.cfg
+        layer_cfg = qwen3_layer_config(
+            info,
+            self.hidden,
+            1,
+            self.heads,
+            self.kv_heads,
+            self.head_dim,
+            self.intermediate,
+            model_type="llama",
+        )
+        return {
+            "architectures": ["Eagle3Speculator"],
+            "speculators_model_type": "eagle3",
+            "transformer_layer_config": layer_cfg,
+            "speculators_config": speculators_config("eagle3", cfg.ttt_steps, verifier_name, architectures),
+            "draft_vocab_size": self.draft_vocab,
+            "target_hidden_size": None if info.hidden_size == self.hidden else info.hidden_size,
+            "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
+            "norm_before_residual": cfg.norm_before_residual,
+            "norm_before_fc": False,
+            "fc_norm": False,
+            "norm_output": False,
+            "torch_dtype": "bfloat16",
+        }

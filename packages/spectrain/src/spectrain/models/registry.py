@@ -1,0 +1,174 @@
+"""The algorithm registry: a name -> (config dataclass, draft module class).
+
+A new algorithm is one module ``spectrain/models/<name>.py`` that defines a config dataclass
+deriving from :class:`DraftConfig`, decorated with ``@register("<name>")``, and a
+:class:`DraftModel` subclass named by the config's ``model_class()``. See
+docs/adding-an-algorithm.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from spectrain.data import Batch
+    from spectrain.verifier import VerifierHeads
+
+_REGISTRY: dict[str, type[DraftConfig]] = {}
+BUILTIN = ("dflash", "eagle3")
+
+
+@dataclass
+class DraftConfig:
+    """Fields every draft has. ``None`` means "take it from the verifier / the store"."""
+
+    algorithm: ClassVar[str] = ""
+
+    aux_layer_ids: tuple[int, ...] | None = None
+    """vLLM extraction layer ids feeding the draft (a subset of the store's; default: all but the last)."""
+    target_layer_id: int | None = None
+    """Stored layer id whose states give the targets (default: the store's last, = num_hidden_layers)."""
+    num_layers: int = 1
+    """Draft decoder layers."""
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    intermediate_size: int | None = None
+    draft_vocab_size: int | None = None
+    """Reduced draft vocabulary (d2t/t2d built from token frequencies); None = full verifier vocabulary."""
+    target_mode: str = "soft"
+    """``soft``: cross-entropy against the verifier's distribution; ``hard``: against its argmax."""
+    attention_backend: str = "auto"
+    """``auto`` (flex on CUDA, sdpa on CPU), ``flex`` or ``sdpa``."""
+
+    @staticmethod
+    def model_class() -> type[DraftModel]:
+        raise NotImplementedError
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        for k, v in d.items():
+            if isinstance(v, tuple):
+                d[k] = list(v)
+        return {"algorithm": self.algorithm, **d}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], *, where: str = "config") -> DraftConfig:
+        """Build from a dict, rejecting unknown keys with a message naming them."""
+        d = {k: v for k, v in d.items() if k != "algorithm"}
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"{where}: unknown {cls.algorithm} option(s) {unknown}; known: {sorted(names)}")
+        for f in dataclasses.fields(cls):
+            if f.name in d and isinstance(d[f.name], list):
+                d[f.name] = tuple(d[f.name])
+        return cls(**d)
+
+
+@dataclass
+class DraftContext:
+    """What a draft sees at inference time (``propose``).
+
+    Attributes:
+        aux_hidden_states: the verifier's auxiliary-layer states for context positions
+            ``0..T-1``, ``[T, n_aux * H]`` (layers concatenated in ``aux_layer_ids`` order) or
+            ``[T, n_aux, H]``.
+        token_ids: ``T + 1`` token ids: the context tokens ``0..T-1`` and, last, the bonus token
+            the verifier just produced from position ``T - 1``.
+    """
+
+    aux_hidden_states: torch.Tensor
+    token_ids: Sequence[int] | torch.Tensor
+
+
+class DraftModel(nn.Module):
+    """Base of all drafts. Holds the frozen :class:`VerifierHeads` outside the module tree."""
+
+    config_class: ClassVar[type[DraftConfig]]
+
+    def __init__(self, cfg: DraftConfig, verifier: VerifierHeads):
+        super().__init__()
+        self.cfg = cfg
+        self.__dict__["verifier"] = verifier
+
+    @property
+    def verifier(self) -> VerifierHeads:
+        return self.__dict__["verifier"]
+
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Loss and metric sums (``acc_correct [K]``, ``acc_total [K]``, ``accepted_sum``, ``chains``)."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def propose(self, context: DraftContext, num_tokens: int | None = None) -> list[int]:
+        """Proposed next tokens (verifier vocabulary ids) after ``context.token_ids``."""
+        raise NotImplementedError
+
+    def prepare(self, token_counts: torch.Tensor | None) -> None:
+        """Data-dependent setup before training (e.g. the draft vocabulary from token counts)."""
+
+    needs_token_counts: bool = False
+    """True when :meth:`prepare` needs token counts of the training data (draft vocabulary)."""
+
+    def vllm_state_dict(self, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """Weights (of ``state``, a full state dict, or the module's own) under vLLM's names."""
+        raise NotImplementedError
+
+    def vllm_config(self, verifier_name: str, architectures: Sequence[str]) -> dict[str, Any]:
+        """``config.json`` content for vLLM (``speculators_config`` and the algorithm's fields)."""
+        raise NotImplementedError
+
+    def flops_per_step(self, batch: Batch) -> float:
+        """Matmul FLOPs of one training step (forward + backward) on ``batch``, for MFU."""
+        return 0.0
+
+    def backend(self, device: torch.device) -> str:
+        b = self.cfg.attention_backend
+        if b == "auto":
+            return "flex" if device.type == "cuda" else "sdpa"
+        return b
+
+
+def register(name: str):
+    """Class decorator: register a :class:`DraftConfig` subclass under ``name``."""
+
+    def deco(cls: type[DraftConfig]) -> type[DraftConfig]:
+        if name in _REGISTRY and _REGISTRY[name] is not cls:
+            raise ValueError(f"algorithm {name!r} registered twice")
+        cls.algorithm = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return deco
+
+
+def get_config_class(name: str) -> type[DraftConfig]:
+    """The config class of algorithm ``name`` (imports ``spectrain.models.<name>`` on first use)."""
+    if name not in _REGISTRY:
+        module = f"spectrain.models.{name}"
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name != module:
+                raise
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown speculator type {name!r}; available: {available()}")
+    return _REGISTRY[name]
+
+
+def available() -> list[str]:
+    """Registered algorithm names (built-ins included)."""
+    return sorted({*BUILTIN, *_REGISTRY})
+
+
+def build_draft(cfg: DraftConfig, verifier: VerifierHeads) -> DraftModel:
+    """Instantiate the draft module of ``cfg``'s algorithm."""
+    return cfg.model_class()(cfg, verifier)

@@ -1,0 +1,879 @@
+"""The training loop: any :class:`~spectrain.data.SampleSource`, one packed sequence per micro-step.
+
+``train(cfg)`` runs on one process or under ``torchrun`` (DDP, or FSDP2 with
+``distributed="fsdp"``). Every ``save_every`` steps and at the end it writes
+``<save_path>/checkpoint-<step>/``: ``config.json`` + ``model.safetensors`` (servable by vLLM
+as is) and ``trainer/`` (full fp32 weights, optimizer, scheduler, RNG, loop state, the data
+cursor and the epoch plans). ``resume="auto"`` continues from ``<save_path>/latest``; the
+cursor ``(epoch, position in plan)`` makes sure nothing is trained twice.
+
+Sources: ``spectrain.data.StoreSource`` offline; with ``online=True`` the loop builds
+``spectrain.online.OnlineSource(cfg, rank=, world_size=)``, which must offer ``header``
+(``layer_ids``, ``hidden_size``) besides the ``SampleSource`` methods, and may offer
+``validation_source()`` and ``ids()``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from spectrain.data import TORCH_DTYPES, PackedLoader, SampleSource, StoreSource, count_packed_sequences
+from spectrain.data import token_frequencies as count_tokens
+from spectrain.export import export_draft
+from spectrain.models.registry import DraftConfig, DraftModel, build_draft, get_config_class
+from spectrain.verifier import VerifierHeads
+
+log = logging.getLogger(__name__)
+
+STATE_DIR = "trainer"
+LATEST = "latest"
+
+
+@dataclass
+class TrainConfig:
+    """Everything a run needs. CLI flags and ``--config`` files fill these fields."""
+
+    verifier: str = ""
+    """Local HF directory of the verifier (only embeddings, final norm and LM head are read)."""
+    save_path: str = ""
+    """Directory for checkpoints, ``metrics.jsonl`` and TensorBoard logs."""
+    store: str | None = None
+    """Hidden-state store (offline data; online runs use it as their cache)."""
+    speculator_type: str = "dflash"
+    """Algorithm: ``dflash`` or ``eagle3`` (or any registered one)."""
+    draft: dict[str, Any] = field(default_factory=dict)
+    """Algorithm options (fields of the algorithm's config dataclass, e.g. ``block_size``)."""
+    verifier_name: str | None = None
+    """``speculators_config.verifier.name_or_path`` in exports (default: the verifier's ``_name_or_path``)."""
+    epochs: int = 1
+    max_steps: int | None = None
+    """Stop after this many optimizer steps (also sets the LR schedule length)."""
+    stop_after_steps: int | None = None
+    """Stop (with a checkpoint) at this step without changing the schedule: time-boxed jobs."""
+    lr: float = 6e-4
+    min_lr_ratio: float = 0.0
+    """Final learning rate as a fraction of ``lr``."""
+    schedule: str = "cosine"
+    """Decay after warmup: ``cosine``, ``linear`` or ``constant``."""
+    warmup_steps: int | None = None
+    """Linear warmup steps (default: ``warmup_ratio`` of all steps)."""
+    warmup_ratio: float = 0.04
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    max_grad_norm: float = 1.0
+    """Gradient clipping by global norm (0 disables)."""
+    total_seq_len: int = 8192
+    """Token slots per packed sequence (one sequence per micro-step)."""
+    grad_accum: int = 1
+    """Packed sequences per optimizer step."""
+    seed: int = 0
+    val_fraction: float = 0.01
+    """Share of sample ids in the validation split (hash of the id)."""
+    val_every: int = 0
+    """Validate every N steps (0: at the end of each epoch only)."""
+    val_max_sequences: int | None = 64
+    """Packed validation sequences per rank per validation (None: all)."""
+    save_every: int = 1000
+    """Checkpoint every N steps (0: only at the end)."""
+    keep_checkpoints: int | None = None
+    """Keep only the newest N checkpoints (None: keep all)."""
+    resume: str = "auto"
+    """``auto`` (latest checkpoint in save_path if any), ``none``, or a checkpoint directory."""
+    num_workers: int = 0
+    """DataLoader reader processes; 0 reads in a prefetch thread (fastest for raw stores, where reads
+    are memory copies; use workers for lz4/fp8 stores whose decoding needs CPU). Sources that are
+    not worker-safe always read in a thread."""
+    prefetch: int = 8
+    """Samples read ahead."""
+    log_every: int = 10
+    tensorboard: bool = False
+    device: str = "auto"
+    """``auto`` (cuda if available), ``cuda`` or ``cpu``."""
+    precision: str = "auto"
+    """``auto`` (bf16 autocast on CUDA, fp32 on CPU), ``bf16`` or ``fp32``."""
+    distributed: str = "ddp"
+    """Multi-process strategy under torchrun: ``ddp`` or ``fsdp`` (FSDP2, shards every draft layer)."""
+    vocab_scan_samples: int = 10000
+    """Training samples scanned for token frequencies (draft vocabulary)."""
+    compile: bool = False
+    """``torch.compile`` the draft's layers (CUDA)."""
+    online: bool = False
+    """Generate hidden states from vLLM endpoints while training (spectrain.online)."""
+    endpoints: list[str] = field(default_factory=list)
+    delete_consumed: bool = False
+    cache_generated: bool = False
+    prompts: str | None = None
+    online_options: dict[str, Any] = field(default_factory=dict)
+    """Other ``spectrain.online.OnlineConfig`` fields (shared_dir, scratch_bytes, delete_cached, ...)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["betas"] = list(self.betas)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], *, where: str = "config") -> TrainConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        d = {k.replace("-", "_"): v for k, v in d.items()}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"{where}: unknown option(s) {unknown}")
+        if "betas" in d:
+            d["betas"] = tuple(d["betas"])
+        return cls(**d)
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the field for impossible settings."""
+        if not self.verifier:
+            raise ValueError("verifier: required (a local HF model directory)")
+        if not self.save_path:
+            raise ValueError("save_path: required")
+        if not self.online and not self.store:
+            raise ValueError("store: required unless online")
+        if self.schedule not in ("cosine", "linear", "constant"):
+            raise ValueError(f"schedule: {self.schedule!r} is not cosine | linear | constant")
+        if self.distributed not in ("ddp", "fsdp"):
+            raise ValueError(f"distributed: {self.distributed!r} is not ddp | fsdp")
+        if self.precision not in ("auto", "bf16", "fp32"):
+            raise ValueError(f"precision: {self.precision!r} is not auto | bf16 | fp32")
+        for name in ("epochs", "grad_accum", "total_seq_len", "log_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a JSON or YAML config file into a dict (errors name the file)."""
+    path = Path(path)
+    text = path.read_text()
+    if path.suffix in (".yaml", ".yml"):
+        try:
+            import yaml
+        except ImportError:
+            raise ValueError(f"{path}: YAML needs PyYAML (pip install pyyaml) or use JSON") from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ValueError(f"{path}: invalid YAML: {e}") from None
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{e.lineno}: invalid JSON: {e.msg}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: top level must be a mapping")
+    return data
+
+
+# --------------------------------------------------------------------------- setup helpers
+
+
+@dataclass
+class DistInfo:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(device: torch.device) -> DistInfo:
+    """Join the torchrun process group (``WORLD_SIZE`` > 1): nccl on CUDA, gloo on CPU."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return DistInfo()
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def resolve_device(cfg: TrainConfig) -> torch.device:
+    if cfg.device == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        return torch.device("cpu")
+    if cfg.device == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device(cfg.device)
+
+
+def lr_lambda(step: int, total: int, warmup: int, schedule: str, min_ratio: float) -> float:
+    """LR multiplier: linear warmup to 1, then cosine/linear decay to ``min_ratio`` (or constant)."""
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    span = max(1, total - warmup)
+    frac = min(1.0, (step - warmup) / span)
+    if schedule == "cosine":
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
+    return min_ratio + (1 - min_ratio) * (1 - frac)
+
+
+def resolve_layers(draft_cfg: DraftConfig, store_layer_ids: Sequence[int], verifier_layers: int) -> list[int]:
+    """Fill ``aux_layer_ids``/``target_layer_id``; return indices into the stored layers (aux..., target)."""
+    ids = [int(i) for i in store_layer_ids]
+    target = draft_cfg.target_layer_id if draft_cfg.target_layer_id is not None else ids[-1]
+    if target not in ids:
+        raise ValueError(f"target layer {target} is not in the store's layers {ids}")
+    if target != verifier_layers:
+        log.warning(
+            "target layer %d is not the verifier's last layer %d: targets lm_head(norm(h)) assume the last",
+            target,
+            verifier_layers,
+        )
+    aux = list(draft_cfg.aux_layer_ids) if draft_cfg.aux_layer_ids else [i for i in ids if i != target]
+    missing = [i for i in aux if i not in ids]
+    if missing:
+        raise ValueError(f"--target-layer-ids {missing} are not in the store's layers {ids}")
+    if not aux:
+        raise ValueError(f"the store's layers {ids} leave no auxiliary layer besides the target {target}")
+    if draft_cfg.algorithm == "eagle3" and len(aux) != 3:
+        raise ValueError(
+            f"eagle3 needs 3 auxiliary layers; pick 3 of the store's {ids} with --target-layer-ids"
+        )
+    draft_cfg.aux_layer_ids = tuple(aux)
+    draft_cfg.target_layer_id = target
+    return [ids.index(i) for i in aux] + [ids.index(target)]
+
+
+def build_source(cfg: TrainConfig, info: DistInfo, split: str = "train") -> SampleSource:
+    """StoreSource offline; ``spectrain.online.OnlineSource`` (imported here only) online."""
+    if cfg.online:
+        from spectrain.online import OnlineSource
+
+        return OnlineSource(cfg, rank=info.rank, world_size=info.world_size)
+    return StoreSource(cfg.store, split=split, val_fraction=cfg.val_fraction, seed=cfg.seed, rank=info.rank,
+                       world_size=info.world_size)  # fmt: skip
+
+
+def _gather(obj: Any, info: DistInfo) -> list[Any]:
+    if not info.enabled:
+        return [obj]
+    out: list[Any] = [None] * info.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _all_min(value: int, info: DistInfo, device: torch.device) -> int:
+    if not info.enabled:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def step_generator(seed: int, step: int, rank: int, micro: int) -> torch.Generator:
+    """The RNG of one micro-step (anchors): a pure function of the step, so resume repeats it."""
+    g = torch.Generator()
+    g.manual_seed((seed * 1_000_003 + step * 9_176 + rank * 131 + micro) % (2**63))
+    return g
+
+
+def find_resume(cfg: TrainConfig) -> Path | None:
+    """The checkpoint to resume from, or None."""
+    if cfg.resume in ("none", "", None):
+        return None
+    if cfg.resume != "auto":
+        p = Path(cfg.resume)
+        if not (p / STATE_DIR / "state.pt").is_file():
+            raise ValueError(f"--resume {p}: not a checkpoint (no {STATE_DIR}/state.pt)")
+        return p
+    latest = Path(cfg.save_path) / LATEST
+    if latest.is_file():
+        p = Path(cfg.save_path) / latest.read_text().strip()
+        if (p / STATE_DIR / "state.pt").is_file():
+            return p
+        log.warning("%s names %s, which is not a complete checkpoint; starting fresh", latest, p)
+    return None
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+class MetricsLog:
+    """JSONL (and optional TensorBoard) on rank 0."""
+
+    def __init__(self, save_path: Path, enabled: bool, tensorboard: bool):
+        self.enabled = enabled
+        self.path = save_path / "metrics.jsonl"
+        self.tb = None
+        if enabled and tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise RuntimeError(
+                    "--tensorboard needs the tensorboard package: pip install tensorboard"
+                ) from None
+            self.tb = SummaryWriter(str(save_path / "tensorboard"))
+
+    def write(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            prefix = record.get("split", "train")
+            for k, v in record.items():
+                if isinstance(v, int | float) and k not in ("step",):
+                    self.tb.add_scalar(f"{prefix}/{k}", v, record["step"])
+                elif isinstance(v, list) and k == "acc":
+                    for i, a in enumerate(v):
+                        self.tb.add_scalar(f"{prefix}/acc_{i + 1}", a, record["step"])
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+class MetricSums:
+    """Accumulates the metric sums models return; reduces across ranks."""
+
+    def __init__(self):
+        self.sums: dict[str, torch.Tensor] = {}
+
+    def add(self, metrics: dict[str, torch.Tensor]) -> None:
+        for k, v in metrics.items():
+            v = v.detach().double()
+            self.sums[k] = self.sums[k] + v if k in self.sums else v.clone()
+
+    def summary(self, info: DistInfo) -> dict[str, Any]:
+        if not self.sums:
+            return {}
+        keys = sorted(self.sums)
+        flat = torch.cat([self.sums[k].reshape(-1) for k in keys])
+        if info.enabled:
+            flat = flat.to("cuda" if flat.is_cuda else "cpu")
+            dist.all_reduce(flat)
+        out, i = {}, 0
+        vals = {}
+        for k in keys:
+            n = self.sums[k].numel()
+            vals[k] = flat[i : i + n].cpu()
+            i += n
+        if "acc_correct" in vals:
+            tot = vals["acc_total"].clamp_min(1)
+            out["acc"] = [round(float(x), 6) for x in (vals["acc_correct"] / tot)]
+        if "chains" in vals:
+            out["tau"] = round(1.0 + float(vals["accepted_sum"]) / max(1.0, float(vals["chains"])), 6)
+        if "loss_sum" in vals:
+            out["loss"] = float(vals["loss_sum"]) / max(1e-9, float(vals["weight_sum"]))
+        return out
+
+
+# --------------------------------------------------------------------------- the trainer
+
+
+class Trainer:
+    """One training run (see module docstring). ``run()`` returns a summary dict."""
+
+    def __init__(self, cfg: TrainConfig, source: SampleSource | None = None,
+                 val_source: SampleSource | None = None):  # fmt: skip
+        cfg.validate()
+        self.cfg = cfg
+        self.device = resolve_device(cfg)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.info = init_distributed(self.device)
+        self.save_path = Path(cfg.save_path)
+        if self.info.is_main:
+            self.save_path.mkdir(parents=True, exist_ok=True)
+        self.amp = cfg.precision == "bf16" or (cfg.precision == "auto" and self.device.type == "cuda")
+        random.seed(cfg.seed)
+        np.random.seed(cfg.seed)
+        torch.manual_seed(cfg.seed)
+
+        self.source = source if source is not None else build_source(cfg, self.info)
+        self.val_source = val_source
+        if self.val_source is None and cfg.val_fraction > 0:
+            getter = getattr(self.source, "validation_source", None)
+            if getter is not None:
+                self.val_source = getter()
+            elif isinstance(self.source, StoreSource):
+                self.val_source = StoreSource(self.source.path, split="validation", val_fraction=cfg.val_fraction,
+                                              seed=cfg.seed, rank=self.info.rank, world_size=self.info.world_size)  # fmt: skip
+
+        self.resume_dir = find_resume(cfg)
+        self.state: dict[str, Any] | None = None
+        if self.resume_dir is not None:
+            self.state = torch.load(
+                self.resume_dir / STATE_DIR / "state.pt", map_location="cpu", weights_only=False
+            )
+            saved_world = self.state["loop"]["world_size"]
+            if saved_world != self.info.world_size:
+                raise ValueError(
+                    f"{self.resume_dir}: saved with {saved_world} processes, resuming with {self.info.world_size}; "
+                    "the data cursor is per rank, so resume with the same world size"
+                )
+
+        vdtype = torch.bfloat16 if self.amp else torch.float32
+        self.verifier = VerifierHeads.load(cfg.verifier, dtype=vdtype).to(self.device)
+        header = self.source.header
+        if int(header.hidden_size) != self.verifier.hidden_size:
+            raise ValueError(
+                f"store hidden_size {header.hidden_size} differs from verifier {cfg.verifier} "
+                f"hidden_size {self.verifier.hidden_size}"
+            )
+        self.hidden_dtype = TORCH_DTYPES.get(getattr(header, "dtype", "bfloat16"), torch.bfloat16)
+        cfg_cls = get_config_class(cfg.speculator_type)
+        draft_opts = dict(cfg.draft)
+        if self.state is not None:
+            draft_opts = self.state["draft_config"]
+        self.draft_cfg = cfg_cls.from_dict(draft_opts, where="draft options")
+        self.layer_index = resolve_layers(
+            self.draft_cfg, header.layer_ids, self.verifier.info.num_hidden_layers
+        )
+        self.model: DraftModel = build_draft(self.draft_cfg, self.verifier)
+        if self.state is not None:
+            self.model.load_state_dict(self.state["model"])
+        elif self.model.needs_token_counts:
+            self.model.prepare(self._token_counts())
+        self.model.to(self.device)
+        self.module = self.model
+        self.wrapped = self._wrap(self.model)
+        params = [p for p in self.wrapped.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
+            fused=self.device.type == "cuda",
+        )  # fmt: skip
+        self.total_steps = self.state["loop"]["total_steps"] if self.state else self._estimate_total_steps()
+        warm = cfg.warmup_steps if cfg.warmup_steps is not None else int(cfg.warmup_ratio * self.total_steps)
+        self.warmup = warm
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: lr_lambda(s, self.total_steps, warm, cfg.schedule, cfg.min_lr_ratio)
+        )
+        self.global_step = 0
+        self.epoch = 0
+        self.position = 0
+        self.plans: list[list[str]] | None = None
+        self.current_plans: list[list[str]] | None = None
+        if self.state is not None:
+            self._restore(self.state)
+        self.metrics = MetricsLog(self.save_path, self.info.is_main, cfg.tensorboard)
+        self.verifier_name = cfg.verifier_name or self.verifier.info.name_or_path
+
+    # ------------------------------------------------------------------ setup
+
+    def _wrap(self, model: DraftModel) -> torch.nn.Module:
+        if self.cfg.compile:
+            for layer in model.layers:
+                layer.compile()
+        if not self.info.enabled:
+            return model
+        if self.cfg.distributed == "fsdp":
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in model.layers:
+                fully_shard(layer)
+            fully_shard(model)
+            return model
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        return DDP(model, device_ids=ids, broadcast_buffers=False)
+
+    def _token_counts(self) -> torch.Tensor:
+        vocab = self.verifier.vocab_size
+        counts = torch.zeros(vocab, dtype=torch.float64)
+        if self.info.is_main:
+            ids_fn = getattr(self.source, "ids", None)
+            ids = ids_fn() if ids_fn is not None else self.source.plan(0)
+            ids = sorted(ids)[: self.cfg.vocab_scan_samples] if self.cfg.vocab_scan_samples else sorted(ids)
+            log.info("counting tokens of %d training samples for the draft vocabulary", len(ids))
+            counts = torch.from_numpy(count_tokens(self.source, ids, vocab)).double()
+        if self.info.enabled:
+            dev = self.device if self.device.type == "cuda" else torch.device("cpu")
+            counts = counts.to(dev)
+            dist.broadcast(counts, 0)
+            counts = counts.cpu()
+        return counts
+
+    def _estimate_total_steps(self) -> int:
+        cfg = self.cfg
+        if cfg.max_steps:
+            return cfg.max_steps
+        lengths = getattr(self.source, "lengths", None)
+        total = 0
+        for e in range(cfg.epochs):
+            plan = self.source.plan(e)
+            if lengths is not None:
+                seqs = count_packed_sequences(lengths(plan), cfg.total_seq_len)
+            else:
+                if e == 0:
+                    log.warning("source gives no sample lengths; LR schedule assumes one sample per sequence")
+                seqs = len(plan)
+            total += _all_min(seqs, self.info, self.device) // cfg.grad_accum or 1
+        return max(1, total)
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        loop = state["loop"]
+        if loop.get("distributed") != self._mode():
+            raise ValueError(
+                f"{self.resume_dir}: saved under {loop.get('distributed')}, resuming under {self._mode()}"
+            )
+        if self._mode() == "fsdp":
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+            set_optimizer_state_dict(self.wrapped, self.optimizer, state["optimizer"],
+                                     options=StateDictOptions(full_state_dict=True))  # fmt: skip
+        else:
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        _set_rng_state(state["rng"])
+        self.global_step = loop["global_step"]
+        self.epoch = loop["epoch"]
+        self.position = loop["positions"][self.info.rank]
+        self.plans = state.get("plans")
+        log.info("resumed from %s: step %d, epoch %d, position %d", self.resume_dir, self.global_step, self.epoch,
+                 self.position)  # fmt: skip
+
+    def _mode(self) -> str:
+        return "none" if not self.info.enabled else self.cfg.distributed
+
+    # ------------------------------------------------------------------ loop
+
+    def _plan(self, epoch: int) -> list[str]:
+        plan = self.source.plan(epoch)
+        if self.plans is not None and epoch == self.epoch and self.state is not None:
+            saved = self.plans[self.info.rank]
+            self.plans = None
+            if saved != plan:
+                log.warning(
+                    "epoch %d plan changed since the checkpoint (store grew?); continuing the saved plan",
+                    epoch,
+                )
+                use = getattr(self.source, "use_plan", None)
+                if use is not None:
+                    use(epoch, saved)
+                plan = saved
+        self.current_plans = _gather(plan, self.info)
+        return plan
+
+    def _loader(self, source: SampleSource, plan: list[str], start: int) -> PackedLoader:
+        return PackedLoader(
+            source, plan, start=start, total_seq_len=self.cfg.total_seq_len, layers=self.layer_index,
+            hidden_dtype=self.hidden_dtype, num_workers=self.cfg.num_workers,
+            pin_memory=self.device.type == "cuda", prefetch=self.cfg.prefetch,
+        )  # fmt: skip
+
+    def _autocast(self):
+        if self.amp:
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return torch.autocast(self.device.type, enabled=False)
+
+    def run(self) -> dict[str, Any]:
+        """Train to the end (or ``max_steps`` / ``stop_after_steps``); returns a summary."""
+        cfg = self.cfg
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=self.total_steps, initial=self.global_step, disable=not self.info.is_main,
+                   desc=f"train {cfg.speculator_type}", dynamic_ncols=True)  # fmt: skip
+        window = MetricSums()
+        win_tokens, win_wait, win_time, win_steps, win_flops = 0, 0.0, 0.0, 0, 0.0
+        last_loss = float("nan")
+        last_saved = -1
+        stop = False
+        summary: dict[str, Any] = {}
+        try:
+            while self.epoch < cfg.epochs and not stop:
+                plan = self._plan(self.epoch)
+                batches = iter(self._loader(self.source, plan, self.position))
+                while True:
+                    if self._limit_reached():
+                        stop = True
+                        break
+                    t0 = time.perf_counter()
+                    micro = []
+                    for _ in range(cfg.grad_accum):
+                        b = next(batches, None)
+                        if b is None:
+                            break
+                        micro.append(b)
+                    wait = time.perf_counter() - t0
+                    full = len(micro) == cfg.grad_accum or (not self.info.enabled and len(micro) > 0)
+                    if _all_min(int(full), self.info, self.device) == 0:
+                        break
+                    loss, grad_norm, sums, flops = self._step(micro)
+                    step_time = time.perf_counter() - t0
+                    self.position = micro[-1].plan_end
+                    self.source.consumed([s for b in micro for s in b.sample_ids])
+                    self.global_step += 1
+                    last_loss = loss
+                    window.add(sums)
+                    win_tokens += sum(b.num_tokens for b in micro)
+                    win_wait += wait
+                    win_time += step_time
+                    win_steps += 1
+                    win_flops += flops
+                    bar.update(1)
+                    if self.global_step % cfg.log_every == 0:
+                        rec = self._train_record(window, win_tokens, win_wait, win_time, win_steps, win_flops,
+                                                 grad_norm, loss)  # fmt: skip
+                        self.metrics.write(rec)
+                        bar.set_postfix(loss=f"{loss:.4f}", tau=rec.get("tau"))
+                        window = MetricSums()
+                        win_tokens, win_wait, win_time, win_steps, win_flops = 0, 0.0, 0.0, 0, 0.0
+                    if cfg.val_every and self.global_step % cfg.val_every == 0:
+                        summary["validation"] = self.validate()
+                    if cfg.save_every and self.global_step % cfg.save_every == 0:
+                        self.save()
+                        last_saved = self.global_step
+                if stop:
+                    break
+                self.epoch += 1
+                self.position = 0
+                if self.val_source is not None and not cfg.val_every:
+                    summary["validation"] = self.validate()
+            if last_saved != self.global_step:
+                self.save()
+        finally:
+            bar.close()
+            self.metrics.close()
+        summary.update(
+            {
+                "step": self.global_step,
+                "epoch": self.epoch,
+                "loss": last_loss,
+                "checkpoint": str(self.last_checkpoint),
+            }
+        )
+        return summary
+
+    def _limit_reached(self) -> bool:
+        cfg = self.cfg
+        if cfg.max_steps is not None and self.global_step >= cfg.max_steps:
+            return True
+        return cfg.stop_after_steps is not None and self.global_step >= cfg.stop_after_steps
+
+    def _step(self, micro: list) -> tuple[float, float, dict[str, torch.Tensor], float]:
+        cfg = self.cfg
+        self.wrapped.train()
+        sums = MetricSums()
+        total = 0.0
+        flops = 0.0
+        for i, b in enumerate(micro):
+            b = b.to(self.device, non_blocking=True)
+            gen = step_generator(cfg.seed, self.global_step, self.info.rank, i)
+            sync = i == len(micro) - 1
+            ctx = self.wrapped.no_sync() if (not sync and hasattr(self.wrapped, "no_sync")) else _null()
+            with ctx:
+                with self._autocast():
+                    loss, metrics = self.wrapped(b, gen)
+                (loss / len(micro)).backward()
+            total += float(loss.detach())
+            sums.add(metrics)
+            flops += self.module.last_flops
+        params = [p for p in self.wrapped.parameters() if p.requires_grad]
+        if cfg.max_grad_norm > 0:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
+        else:
+            grad_norm = float(torch.norm(torch.stack([p.grad.norm() for p in params if p.grad is not None])))
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return total / len(micro), grad_norm, sums.sums, flops
+
+    def _train_record(self, window, tokens, wait, elapsed, steps, flops, grad_norm, loss) -> dict[str, Any]:
+        summ = window.summary(self.info)
+        world_tokens = tokens * self.info.world_size
+        rec = {
+            "split": "train",
+            "step": self.global_step,
+            "epoch": self.epoch,
+            "position": self.position,
+            "loss": summ.get("loss", loss),
+            "lr": self.scheduler.get_last_lr()[0],
+            "grad_norm": grad_norm,
+            "tokens_per_s": world_tokens / max(elapsed, 1e-9),
+            "data_wait_s": wait / max(steps, 1),
+            "step_time_s": elapsed / max(steps, 1),
+            "flops_per_s": flops / max(elapsed, 1e-9),
+        }
+        stats = getattr(self.source, "stats", None)
+        if callable(stats):
+            rec["data"] = stats()
+        if "acc" in summ:
+            rec["acc"] = summ["acc"]
+        if "tau" in summ:
+            rec["tau"] = summ["tau"]
+        return rec
+
+    @torch.no_grad()
+    def validate(self) -> dict[str, Any]:
+        """Loss, per-position accuracy and tau on the validation split (all ranks take part)."""
+        if self.val_source is None:
+            return {}
+        self.module.eval()
+        sums = MetricSums()
+        n = 0
+        plan = self.val_source.plan(0)
+        batches = iter(self._loader(self.val_source, plan, 0))
+        while True:
+            limit = self.cfg.val_max_sequences is not None and n >= self.cfg.val_max_sequences
+            b = None if limit else next(batches, None)
+            if _all_min(int(b is not None), self.info, self.device) == 0:
+                break
+            b = b.to(self.device, non_blocking=True)
+            with self._autocast():
+                _, metrics = self.module(b, step_generator(self.cfg.seed, 0, self.info.rank, n))
+            sums.add(metrics)
+            n += 1
+        rec = {"split": "validation", "step": self.global_step, "epoch": self.epoch, "sequences": n,
+               **sums.summary(self.info)}  # fmt: skip
+        self.metrics.write(rec)
+        if self.info.is_main:
+            log.info("validation step %d: loss %s tau %s acc %s", self.global_step, rec.get("loss"), rec.get("tau"),
+                     rec.get("acc"))  # fmt: skip
+        return rec
+
+    # ------------------------------------------------------------------ checkpoints
+
+    last_checkpoint: Path | None = None
+
+    def _full_states(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        if self._mode() == "fsdp":
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                get_model_state_dict,
+                get_optimizer_state_dict,
+            )
+
+            opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            return (get_model_state_dict(self.wrapped, options=opts),
+                    get_optimizer_state_dict(self.wrapped, self.optimizer, options=opts))  # fmt: skip
+        model = {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
+        return model, self.optimizer.state_dict()
+
+    def save(self) -> Path:
+        """Write ``checkpoint-<step>`` (servable export + trainer state) and point ``latest`` at it."""
+        name = f"checkpoint-{self.global_step:08d}"
+        final = self.save_path / name
+        model_sd, optim_sd = self._full_states()
+        positions = _gather(self.position, self.info)
+        plans = getattr(self, "current_plans", None)
+        if self.info.is_main:
+            tmp = self.save_path / f".tmp-{name}"
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            (tmp / STATE_DIR).mkdir(parents=True)
+            export_draft(self.module, tmp, verifier_name=self.verifier_name,
+                         architectures=self.verifier.info.architectures, state=model_sd)  # fmt: skip
+            state = {
+                "model": model_sd,
+                "optimizer": optim_sd,
+                "scheduler": self.scheduler.state_dict(),
+                "rng": _rng_state(),
+                "draft_config": self.draft_cfg.to_dict(),
+                "loop": {
+                    "global_step": self.global_step,
+                    "epoch": self.epoch,
+                    "positions": positions,
+                    "world_size": self.info.world_size,
+                    "total_steps": self.total_steps,
+                    "distributed": self._mode(),
+                },
+                "plans": plans,
+            }
+            torch.save(state, tmp / STATE_DIR / "state.pt")
+            resolved = {"train": self.cfg.to_dict(), "draft": self.draft_cfg.to_dict(),
+                        "loop": state["loop"]}  # fmt: skip
+            (tmp / STATE_DIR / "train_config.json").write_text(json.dumps(resolved, indent=2) + "\n")
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            latest_tmp = self.save_path / (LATEST + ".tmp")
+            latest_tmp.write_text(name + "\n")
+            os.replace(latest_tmp, self.save_path / LATEST)
+            self._prune()
+            log.info("saved %s", final)
+        if self.info.enabled:
+            dist.barrier()
+        self.last_checkpoint = final
+        return final
+
+    def _prune(self) -> None:
+        keep = self.cfg.keep_checkpoints
+        if not keep:
+            return
+        ckpts = sorted(p for p in self.save_path.glob("checkpoint-*") if p.is_dir())
+        for p in ckpts[:-keep]:
+            shutil.rmtree(p, ignore_errors=True)
+
+    def close(self) -> None:
+        self.source.close()
+        if self.val_source is not None:
+            self.val_source.close()
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def train(
+    cfg: TrainConfig, source: SampleSource | None = None, val_source: SampleSource | None = None
+) -> dict:
+    """Run training end to end; returns the summary (last step, loss, checkpoint path, validation)."""
+    trainer = Trainer(cfg, source, val_source)
+    try:
+        return trainer.run()
+    finally:
+        trainer.close()
+
+
+def load_checkpoint_model(
+    checkpoint: str | Path, verifier: str | None = None
+) -> tuple[DraftModel, dict[str, Any]]:
+    """Rebuild a draft from ``checkpoint`` (fp32 weights); returns ``(model, resolved config)``."""
+    ckpt = Path(checkpoint)
+    cfg_path = ckpt / STATE_DIR / "train_config.json"
+    if not cfg_path.is_file():
+        raise ValueError(f"{ckpt}: not a spectrain checkpoint (no {STATE_DIR}/train_config.json)")
+    resolved = json.loads(cfg_path.read_text())
+    train_cfg = resolved["train"]
+    heads = VerifierHeads.load(verifier or train_cfg["verifier"])
+    draft_cfg = get_config_class(train_cfg["speculator_type"]).from_dict(
+        resolved["draft"], where=str(cfg_path)
+    )
+    model = build_draft(draft_cfg, heads)
+    state = torch.load(ckpt / STATE_DIR / "state.pt", map_location="cpu", weights_only=False)
+    model.load_state_dict(state["model"])
+    return model, resolved

@@ -1,0 +1,251 @@
+"""``spectrain train`` and ``spectrain export`` (click commands, loaded lazily by ``spectrain.cli``)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from typing import Any
+
+import click
+
+DRAFT_FLAGS = {
+    "block_size": "block_size",
+    "max_anchors": "max_anchors",
+    "num_layers": "num_layers",
+    "draft_vocab_size": "draft_vocab_size",
+    "mask_token_id": "mask_token_id",
+    "ttt_steps": "ttt_steps",
+    "target_mode": "target_mode",
+}
+
+TRAIN_FLAGS = (
+    "store", "verifier", "verifier_name", "speculator_type", "save_path", "epochs", "max_steps", "stop_after_steps",
+    "lr", "min_lr_ratio", "schedule", "warmup_steps", "warmup_ratio", "weight_decay", "max_grad_norm",
+    "total_seq_len", "grad_accum", "seed", "val_fraction", "val_every", "val_max_sequences", "save_every",
+    "keep_checkpoints", "resume", "num_workers", "prefetch", "log_every", "device", "precision", "distributed",
+    "vocab_scan_samples", "prompts",
+)  # fmt: skip
+
+
+def _setup_logging() -> None:
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def build_train_config(params: dict[str, Any]):
+    """Merge defaults < ``--config`` file < flags given on the command line into a TrainConfig."""
+    from spectrain.train import TrainConfig, load_config_file
+
+    data: dict[str, Any] = {}
+    if params.get("config"):
+        data = load_config_file(params["config"])
+    draft = dict(data.pop("draft", {}) or {})
+    for name in TRAIN_FLAGS:
+        if params.get(name) is not None:
+            data[name] = params[name]
+    for flag, key in DRAFT_FLAGS.items():
+        if params.get(flag) is not None:
+            draft[key] = params[flag]
+    if params.get("target_layer_ids"):
+        from hsgen.protocol import parse_layer_ids
+
+        draft["aux_layer_ids"] = parse_layer_ids(params["target_layer_ids"])
+    if params.get("target_layer_id") is not None:
+        draft["target_layer_id"] = params["target_layer_id"]
+    for item in params.get("draft_option") or ():
+        if "=" not in item:
+            raise click.BadParameter(f"{item!r}: expected KEY=VALUE", param_hint="--draft-option")
+        k, v = item.split("=", 1)
+        draft[k.strip().replace("-", "_")] = _parse_value(v)
+    for flag in ("tensorboard", "online", "delete_consumed", "cache_generated", "compile"):
+        if params.get(flag):
+            data[flag] = True
+    if params.get("endpoint"):
+        data["endpoints"] = list(params["endpoint"])
+    online = dict(data.get("online_options") or {})
+    for key in ("shared_dir", "scratch_dir", "scratch_bytes", "delete_cached"):
+        if params.get(key):
+            online[key] = params[key]
+    for item in params.get("online_option") or ():
+        if "=" not in item:
+            raise click.BadParameter(f"{item!r}: expected KEY=VALUE", param_hint="--online-option")
+        k, v = item.split("=", 1)
+        online[k.strip().replace("-", "_")] = _parse_value(v)
+    if online:
+        data["online_options"] = online
+    if params.get("betas"):
+        data["betas"] = [float(x) for x in params["betas"].split(",")]
+    data["draft"] = draft
+    where = params.get("config") or "command line"
+    cfg = TrainConfig.from_dict(data, where=where)
+    cfg.validate()
+    from spectrain.models import get_config_class
+
+    get_config_class(cfg.speculator_type).from_dict(dict(cfg.draft), where=f"{where}: draft options")
+    return cfg
+
+
+@click.command("train", context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.option(
+    "--config",
+    type=click.Path(exists=True, dir_okay=False),
+    help="JSON/YAML file of TrainConfig fields (flags override it).",
+)
+@click.option("--store", type=click.Path(file_okay=False), help="Hidden-state store directory.")
+@click.option(
+    "--verifier",
+    type=click.Path(exists=True, file_okay=False),
+    help="Verifier HF directory (only embeddings, final norm, LM head are read).",
+)
+@click.option(
+    "--verifier-name", help="speculators_config.verifier.name_or_path in exports (e.g. Qwen/Qwen3-8B)."
+)
+@click.option("--speculator-type", type=str, help="dflash | eagle3 (default dflash).")
+@click.option(
+    "--save-path", type=click.Path(file_okay=False), help="Checkpoints, metrics.jsonl, TensorBoard logs."
+)
+@click.option("--epochs", type=int, help="Passes over the training split (default 1).")
+@click.option("--max-steps", type=int, help="Stop after N optimizer steps (also the LR schedule length).")
+@click.option(
+    "--stop-after-steps",
+    type=int,
+    help="Stop with a checkpoint at step N, schedule unchanged (time-boxed jobs).",
+)
+@click.option("--lr", type=float, help="Peak learning rate (default 6e-4).")
+@click.option("--min-lr-ratio", type=float, help="Final LR as a fraction of --lr (default 0).")
+@click.option(
+    "--schedule",
+    type=click.Choice(["cosine", "linear", "constant"]),
+    help="Decay after warmup (default cosine).",
+)
+@click.option("--warmup-steps", type=int, help="Linear warmup steps (default: --warmup-ratio of all steps).")
+@click.option("--warmup-ratio", type=float, help="Warmup share of all steps (default 0.04).")
+@click.option("--weight-decay", type=float, help="AdamW weight decay (default 0).")
+@click.option("--betas", help="AdamW betas, 'b1,b2' (default 0.9,0.95).")
+@click.option("--max-grad-norm", type=float, help="Gradient clipping norm, 0 = off (default 1.0).")
+@click.option("--total-seq-len", type=int, help="Tokens per packed sequence (default 8192).")
+@click.option("--grad-accum", type=int, help="Packed sequences per optimizer step (default 1).")
+@click.option("--seed", type=int, help="Seed of plans, anchors and init (default 0).")
+@click.option("--val-fraction", type=float, help="Validation share of sample ids (default 0.01).")
+@click.option("--val-every", type=int, help="Validate every N steps (default 0 = each epoch end).")
+@click.option("--val-max-sequences", type=int, help="Packed validation sequences per rank (default 64).")
+@click.option("--save-every", type=int, help="Checkpoint every N steps (default 1000; 0 = end only).")
+@click.option("--keep-checkpoints", type=int, help="Keep the newest N checkpoints (default all).")
+@click.option("--resume", help="auto (latest in --save-path) | none | CHECKPOINT_DIR (default auto).")
+@click.option(
+    "--num-workers", type=int, help="DataLoader reader processes; 0 = a prefetch thread (default 0)."
+)
+@click.option("--prefetch", type=int, help="Samples read ahead (default 8).")
+@click.option("--log-every", type=int, help="Steps per metrics.jsonl record (default 10).")
+@click.option("--tensorboard", is_flag=True, default=False, help="Also log to <save-path>/tensorboard.")
+@click.option("--device", help="auto | cuda | cpu (default auto).")
+@click.option(
+    "--precision", type=click.Choice(["auto", "bf16", "fp32"]), help="auto = bf16 autocast on CUDA."
+)
+@click.option(
+    "--distributed", type=click.Choice(["ddp", "fsdp"]), help="Strategy under torchrun (default ddp)."
+)
+@click.option("--compile", is_flag=True, default=False, help="torch.compile the draft layers.")
+@click.option(
+    "--vocab-scan-samples",
+    type=int,
+    help="Samples scanned for draft-vocabulary token counts (default 10000).",
+)
+@click.option("--block-size", type=int, help="DFlash: tokens per block incl. the anchor (default 16).")
+@click.option("--max-anchors", type=int, help="DFlash: most anchors per packed sequence (default 512).")
+@click.option("--num-layers", type=int, help="Draft decoder layers (DFlash default 5; Eagle3 is 1).")
+@click.option(
+    "--draft-vocab-size",
+    type=int,
+    help="Reduced draft vocabulary (Eagle3 default 32000; DFlash default full).",
+)
+@click.option("--mask-token-id", type=int, help="DFlash: mask token id (default vocab_size - 1).")
+@click.option("--ttt-steps", type=int, help="Eagle3: training-time-test steps (default 3).")
+@click.option(
+    "--target-mode",
+    type=click.Choice(["soft", "hard"]),
+    help="Distill the verifier's distribution or its argmax (default soft).",
+)
+@click.option(
+    "--target-layer-ids",
+    help="Stored layer ids feeding the draft, e.g. '2 18 33' (default: all but the last).",
+)
+@click.option(
+    "--target-layer-id",
+    type=int,
+    help="Stored layer whose states give the targets (default: the store's last).",
+)
+@click.option(
+    "--draft-option", multiple=True, help="Any other algorithm option, KEY=VALUE (JSON value), repeatable."
+)
+@click.option(
+    "--online", is_flag=True, default=False, help="Generate hidden states from vLLM while training."
+)
+@click.option("--endpoint", multiple=True, help="Online: vLLM base URL, repeatable.")
+@click.option(
+    "--delete-consumed", is_flag=True, default=False, help="Online: delete samples after training on them."
+)
+@click.option(
+    "--cache-generated", is_flag=True, default=False, help="Online: keep generated samples in --store."
+)
+@click.option("--prompts", type=click.Path(), help="Online: prompt file (JSONL / Parquet).")
+@click.option("--shared-dir", help="Online: the servers' shared_storage_path as seen here (default /tmp).")
+@click.option(
+    "--scratch-dir", help="Online: scratch store for generated samples (default /dev/shm if it fits)."
+)
+@click.option(
+    "--scratch-bytes", type=int, help="Online: bound on scratch bytes with --delete-consumed (8 GiB)."
+)
+@click.option(
+    "--delete-cached", is_flag=True, default=False, help="Online: also delete consumed shards of --store."
+)
+@click.option(
+    "--online-option", multiple=True, help="Online: any OnlineConfig field, KEY=VALUE (JSON), repeatable."
+)
+def train(**params: Any) -> None:
+    """Train a DFlash or Eagle3 draft; every checkpoint is a directory vLLM serves."""
+    _setup_logging()
+    try:
+        cfg = build_train_config(params)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    from spectrain.train import train as run_train
+
+    try:
+        summary = run_train(cfg)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(json.dumps(summary, default=str))
+
+
+@click.command("export", context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("checkpoint", type=click.Path(exists=True, file_okay=False))
+@click.argument("out_dir", type=click.Path(file_okay=False))
+@click.option(
+    "--verifier",
+    type=click.Path(exists=True, file_okay=False),
+    help="Verifier directory (default: the one trained with).",
+)
+@click.option("--verifier-name", help="speculators_config.verifier.name_or_path (e.g. Qwen/Qwen3-8B).")
+def export(checkpoint: str, out_dir: str, verifier: str | None, verifier_name: str | None) -> None:
+    """Re-export CHECKPOINT (a spectrain checkpoint directory) to OUT_DIR for vLLM."""
+    _setup_logging()
+    from spectrain.export import export_draft
+    from spectrain.train import load_checkpoint_model
+
+    try:
+        model, resolved = load_checkpoint_model(checkpoint, verifier)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    name = verifier_name or resolved["train"].get("verifier_name") or model.verifier.info.name_or_path
+    out = export_draft(model, out_dir, verifier_name=name, architectures=model.verifier.info.architectures)
+    click.echo(json.dumps({"exported": str(out), "verifier": name}))

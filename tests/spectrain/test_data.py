@@ -1,0 +1,201 @@
+"""Data path: split, epoch plan, packing, StoreSource reads, DataLoader workers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+from spectrain.data import (
+    Batch,
+    PackedLoader,
+    StoreSource,
+    count_packed_sequences,
+    epoch_plan,
+    split_of,
+    storage_to_torch,
+    token_frequencies,
+)
+
+
+@dataclass
+class FakeSample:
+    sample_id: str
+    hidden_states: np.ndarray
+    token_ids: np.ndarray
+    loss_mask: np.ndarray
+    dtype: str = "float32"
+
+
+class MemorySource:
+    """In-memory SampleSource: sample i has i+lengths tokens whose ids and states encode (sample, position)."""
+
+    def __init__(self, lengths: dict[str, int], missing: tuple[str, ...] = ()):
+        self.lengths_ = lengths
+        self.missing = set(missing)
+        self.consumed_ids: list[str] = []
+
+    def plan(self, epoch: int) -> list[str]:
+        return epoch_plan(list(self.lengths_), epoch, seed=0)
+
+    def get(self, sid: str):
+        if sid in self.missing:
+            return None
+        n = self.lengths_[sid]
+        k = int(sid[1:])
+        toks = np.arange(n, dtype=np.int64) + 100 * k
+        hs = np.zeros((n, 3, 2), np.float32)
+        hs[:, :, 0] = k
+        hs[:, :, 1] = np.arange(n)[:, None]
+        hs[:, 2, 0] = -k
+        mask = (np.arange(n) % 2).astype(np.uint8)
+        return FakeSample(sid, hs, toks, mask)
+
+    def consumed(self, ids):
+        self.consumed_ids.extend(ids)
+
+    def close(self):
+        pass
+
+    def lengths(self, ids):
+        return [self.lengths_[i] for i in ids]
+
+
+def test_split_is_stable_when_ids_are_added():
+    ids = [f"sample-{i}" for i in range(2000)]
+    before = {i: split_of(i, 0.1) for i in ids}
+    more = ids + [f"new-{i}" for i in range(500)]
+    after = {i: split_of(i, 0.1) for i in more}
+    assert all(after[i] == before[i] for i in ids)
+    share = sum(v == "validation" for v in before.values()) / len(ids)
+    assert 0.07 < share < 0.13
+
+
+def test_epoch_plan_is_seeded_and_sharded():
+    ids = [f"x{i}" for i in range(101)]
+    p0 = epoch_plan(ids, 0, seed=3)
+    assert p0 == epoch_plan(list(reversed(ids)), 0, seed=3)  # input order does not matter
+    assert p0 != epoch_plan(ids, 1, seed=3)
+    assert sorted(p0) == sorted(ids)
+    shards = [epoch_plan(ids, 0, seed=3, rank=r, world_size=3) for r in range(3)]
+    assert shards[1] == p0[1::3]
+    assert sorted(sum(shards, [])) == sorted(ids)
+
+
+def test_packing_respects_documents():
+    lengths = {"s1": 5, "s2": 7, "s3": 4, "s4": 9, "s5": 3}
+    src = MemorySource(lengths)
+    plan = ["s1", "s2", "s3", "s4", "s5"]
+    batches = list(PackedLoader(src, plan, total_seq_len=16, layers=[0, 2], hidden_dtype=torch.float32))
+    assert [b.sample_ids for b in batches] == [["s1", "s2", "s3"], ["s4", "s5"]]
+    assert [(b.plan_start, b.plan_end) for b in batches] == [(0, 3), (3, 5)]
+    assert len(batches) == count_packed_sequences([lengths[i] for i in plan], 16)
+    b = batches[0]
+    assert b.seq_len == 16 and b.num_tokens == 16
+    assert b.position_ids.tolist() == [*range(5), *range(7), *range(4)]
+    assert b.doc_ids.tolist() == [0] * 5 + [1] * 7 + [2] * 4
+    assert b.doc_ends.tolist() == [5] * 5 + [12] * 7 + [16] * 4
+    assert b.input_ids[5:12].tolist() == list(range(200, 207))
+    # layers 0 and 2 kept, in that order: layer 2 carries -k
+    assert b.hidden_states.shape == (16, 2, 2)
+    assert b.hidden_states[6, 0].tolist() == [2.0, 1.0]
+    assert b.hidden_states[6, 1].tolist() == [-2.0, 1.0]
+    assert b.loss_mask[:5].tolist() == [False, True, False, True, False]
+    pad = batches[1]
+    assert pad.num_tokens == 12
+    assert (pad.doc_ids[12:] == -1).all() and not pad.loss_mask[12:].any()
+    assert (pad.hidden_states[12:] == 0).all()
+    assert pad.doc_ends[12:].tolist() == [13, 14, 15, 16]
+
+
+def test_packing_resume_matches_straight_run_and_skips_missing():
+    lengths = {f"s{i}": 3 + (i * 7) % 11 for i in range(1, 30)}
+    src = MemorySource(lengths, missing=("s4",))
+    plan = src.plan(0)
+    full = list(PackedLoader(src, plan, total_seq_len=24, layers=None, hidden_dtype=torch.float32))
+    assert sum(len(b.sample_ids) for b in full) == len(plan)
+    cut = full[3].plan_start
+    rest = list(PackedLoader(src, plan, start=cut, total_seq_len=24, layers=None, hidden_dtype=torch.float32))
+    assert [b.sample_ids for b in rest] == [b.sample_ids for b in full[3:]]
+    for a, b in zip(rest, full[3:], strict=True):
+        assert torch.equal(a.hidden_states, b.hidden_states) and torch.equal(a.input_ids, b.input_ids)
+
+
+def test_long_sample_is_truncated():
+    src = MemorySource({"s1": 40, "s2": 3})
+    batches = list(PackedLoader(src, ["s1", "s2"], total_seq_len=16, layers=None, hidden_dtype=torch.float32))
+    assert [b.num_tokens for b in batches] == [16, 3]
+    assert batches[0].doc_ends.tolist() == [16] * 16
+
+
+def test_bf16_view_is_zero_copy():
+    a = np.arange(12, dtype=np.uint16).reshape(3, 4) + 16256
+    t = storage_to_torch(a, "bfloat16")
+    assert t.dtype == torch.bfloat16
+    assert t.data_ptr() == a.ctypes.data
+    assert torch.equal(t.view(torch.uint16), torch.from_numpy(a))
+    with pytest.raises(ValueError, match="uint16"):
+        storage_to_torch(np.zeros(3, np.float32), "bfloat16")
+
+
+def test_store_source_reads_and_splits(tiny_store):
+    from hsgen.store import HiddenStateStore
+
+    store = HiddenStateStore.open(tiny_store)
+    train = StoreSource(tiny_store, split="train", val_fraction=0.2)
+    val = StoreSource(tiny_store, split="validation", val_fraction=0.2)
+    tids, vids = train.ids(), val.ids()
+    assert not set(tids) & set(vids)
+    assert sorted(tids + vids) == sorted(store.sample_ids())
+    assert vids, "20% of 48 ids should give some validation samples"
+    r0 = StoreSource(tiny_store, rank=0, world_size=2).plan(1)
+    r1 = StoreSource(tiny_store, rank=1, world_size=2).plan(1)
+    assert not set(r0) & set(r1) and len(r0) + len(r1) == len(StoreSource(tiny_store).ids())
+    sid = tids[0]
+    sample = train.get(sid)
+    assert sample.hidden_states.dtype == np.uint16
+    assert train.get("no-such-id") is None
+    assert train.lengths([sid]) == [len(sample.token_ids)]
+    batch = next(
+        iter(PackedLoader(train, [sid], total_seq_len=512, layers=[0, 1, 2, 3], hidden_dtype=torch.bfloat16))
+    )
+    n = len(sample.token_ids)
+    assert torch.equal(batch.hidden_states[:n].view(torch.uint16), torch.from_numpy(sample.hidden_states))
+
+
+def test_workers_give_the_same_batches(tiny_store):
+    src = StoreSource(tiny_store, val_fraction=0.0)
+    plan = src.plan(0)
+    kw = dict(total_seq_len=400, layers=[0, 1, 3], hidden_dtype=torch.bfloat16)
+    a = list(PackedLoader(src, plan, num_workers=0, **kw))
+    b = list(PackedLoader(src, plan, num_workers=2, **kw))
+    assert len(a) == len(b) == count_packed_sequences(src.lengths(plan), 400)
+    for x, y in zip(a, b, strict=True):
+        assert isinstance(y, Batch) and x.sample_ids == y.sample_ids
+        assert torch.equal(x.hidden_states.view(torch.uint16), y.hidden_states.view(torch.uint16))
+        assert torch.equal(x.loss_mask, y.loss_mask)
+
+
+def test_token_frequencies_count_loss_masked_tokens():
+    src = MemorySource({"s1": 6, "s2": 4})
+    counts = token_frequencies(src, ["s1", "s2"], 300)
+    assert counts[101] == 1 and counts[100] == 0  # odd positions carry mask 1
+    assert counts.sum() == 3 + 2
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        token_frequencies(src, ["s2"], 150)
+
+
+def test_buffers_are_reused_only_when_released():
+    src = MemorySource({f"s{i}": 10 for i in range(1, 9)})
+    plan = [f"s{i}" for i in range(1, 9)]
+    kept = list(PackedLoader(src, plan, total_seq_len=20, layers=None, hidden_dtype=torch.float32))
+    ptrs = {b.hidden_states.data_ptr() for b in kept}
+    assert len(ptrs) == len(kept) == 4  # all alive: no sharing
+    assert [b.hidden_states[0, 0, 0].item() for b in kept] == [1.0, 3.0, 5.0, 7.0]
+    seen = set()
+    for b in PackedLoader(src, plan, total_seq_len=20, layers=None, hidden_dtype=torch.float32):
+        seen.add(b.hidden_states.data_ptr())
+        del b
+    assert len(seen) <= 2  # released batches give their buffer back

@@ -1,0 +1,167 @@
+"""The training loop: CLI run, metrics, servable checkpoints, resume equality (also after a real
+kill), and a 2-process gloo DDP run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from spectrain.train import TrainConfig, train
+
+
+def _cfg(store, verifier, save, **kw) -> TrainConfig:
+    base = dict(
+        store=str(store), verifier=str(verifier), save_path=str(save), speculator_type="dflash",
+        draft={"block_size": 4, "max_anchors": 16, "num_layers": 1}, total_seq_len=256, epochs=2,
+        lr=3e-3, save_every=0, log_every=1, num_workers=0, val_fraction=0.1, seed=1, warmup_steps=2,
+    )  # fmt: skip
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def _state(ckpt: Path) -> dict:
+    return torch.load(ckpt / "trainer" / "state.pt", map_location="cpu", weights_only=False)
+
+
+def _same_training_state(a: dict, b: dict) -> None:
+    assert a["loop"]["global_step"] == b["loop"]["global_step"]
+    assert a["loop"]["epoch"] == b["loop"]["epoch"] and a["loop"]["positions"] == b["loop"]["positions"]
+    assert a["model"].keys() == b["model"].keys()
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    for pid, st in a["optimizer"]["state"].items():
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(st[name], b["optimizer"]["state"][pid][name])
+    assert a["scheduler"] == b["scheduler"]
+
+
+def test_cli_train_writes_servable_checkpoints_and_metrics(tiny_store, tiny_model_dir, tmp_path):
+    from spectrain.cli import main
+
+    save = tmp_path / "run"
+    cfg_file = tmp_path / "cfg.json"
+    cfg_file.write_text(json.dumps({"lr": 2e-3, "draft": {"ttt_steps": 3}, "val_every": 3}))
+    args = ["train", "--config", str(cfg_file), "--store", str(tiny_store), "--verifier", str(tiny_model_dir),
+            "--speculator-type", "eagle3", "--save-path", str(save), "--total-seq-len", "256", "--max-steps", "6",
+            "--save-every", "4", "--log-every", "2", "--num-workers", "1", "--draft-vocab-size", "300",
+            "--verifier-name", "Qwen/Qwen3-8B", "--val-fraction", "0.1"]  # fmt: skip
+    res = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    summary = json.loads(res.stdout.strip().splitlines()[-1])
+    assert summary["step"] == 6
+    assert (save / "latest").read_text().strip() == "checkpoint-00000006"
+    for step in (4, 6):
+        ck = save / f"checkpoint-{step:08d}"
+        assert (ck / "model.safetensors").is_file()
+        cfg = json.loads((ck / "config.json").read_text())
+        assert cfg["speculators_model_type"] == "eagle3" and cfg["draft_vocab_size"] == 300
+    resolved = json.loads((save / "checkpoint-00000006" / "trainer" / "train_config.json").read_text())
+    assert resolved["train"]["lr"] == 2e-3 and resolved["draft"]["aux_layer_ids"] == [1, 2, 3]
+    records = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
+    train_recs = [r for r in records if r["split"] == "train"]
+    assert [r["step"] for r in train_recs] == [2, 4, 6]
+    for r in train_recs:
+        assert r["data_wait_s"] >= 0 and r["tokens_per_s"] > 0 and len(r["acc"]) == 3 and r["tau"] >= 1
+    val = [r for r in records if r["split"] == "validation"]
+    assert [r["step"] for r in val] == [3, 6] and val[0]["sequences"] > 0 and len(val[0]["acc"]) == 3
+    # re-export with another verifier name
+    res = CliRunner().invoke(main, ["export", str(save / "checkpoint-00000006"), str(tmp_path / "exp"),
+                                    "--verifier-name", "org/model"])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    cfg = json.loads((tmp_path / "exp" / "config.json").read_text())
+    assert cfg["speculators_config"]["verifier"]["name_or_path"] == "org/model"
+
+
+def test_cli_rejects_bad_options(tiny_store, tiny_model_dir, tmp_path):
+    from spectrain.cli import main
+
+    base = [
+        "train",
+        "--store",
+        str(tiny_store),
+        "--verifier",
+        str(tiny_model_dir),
+        "--save-path",
+        str(tmp_path),
+    ]
+    res = CliRunner().invoke(main, [*base, "--speculator-type", "eagle3", "--block-size", "4"])
+    assert res.exit_code != 0 and "block_size" in res.output
+    res = CliRunner().invoke(main, [*base, "--target-layer-ids", "1 2 9"])
+    assert res.exit_code != 0 and "not in the store" in res.output
+
+
+def test_resume_equals_straight_run(tiny_store, tiny_model_dir, tmp_path):
+    torch.set_num_threads(1)
+    straight = train(_cfg(tiny_store, tiny_model_dir, tmp_path / "a"))
+    total = straight["step"]
+    assert total > 4
+    first = train(_cfg(tiny_store, tiny_model_dir, tmp_path / "b", stop_after_steps=total // 2 + 1))
+    assert first["step"] == total // 2 + 1
+    st = _state(Path(first["checkpoint"]))
+    assert st["loop"]["epoch"] == 0 or st["loop"]["positions"][0] > 0  # stopped mid-epoch
+    resumed = train(_cfg(tiny_store, tiny_model_dir, tmp_path / "b"))
+    assert resumed["step"] == total
+    _same_training_state(_state(Path(straight["checkpoint"])), _state(Path(resumed["checkpoint"])))
+
+
+def test_kill_mid_epoch_then_resume(tiny_store, tiny_model_dir, tmp_path):
+    kw = dict(
+        epochs=1, total_seq_len=96, speculator_type="eagle3", draft={"draft_vocab_size": 200, "ttt_steps": 2}
+    )
+    straight = train(_cfg(tiny_store, tiny_model_dir, tmp_path / "a", **kw))
+    save = tmp_path / "b"
+    cmd = [sys.executable, "-m", "spectrain.cli", "train", "--store", str(tiny_store), "--verifier",
+           str(tiny_model_dir), "--save-path", str(save), "--speculator-type", "eagle3", "--draft-vocab-size",
+           "200", "--ttt-steps", "2", "--total-seq-len", "96", "--epochs", "1", "--lr", "3e-3", "--save-every",
+           "2", "--log-every", "1", "--num-workers", "0", "--val-fraction", "0.1", "--seed", "1",
+           "--warmup-steps", "2"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not (save / "latest").is_file():
+            time.sleep(0.05)
+        assert (save / "latest").is_file(), "no checkpoint appeared"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    killed_at = _state(save / (save / "latest").read_text().strip())["loop"]["global_step"]
+    assert killed_at < straight["step"], "the run finished before it was killed"
+    resumed = train(_cfg(tiny_store, tiny_model_dir, save, **kw))
+    assert resumed["step"] == straight["step"]
+    _same_training_state(_state(Path(straight["checkpoint"])), _state(Path(resumed["checkpoint"])))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_process_gloo(tiny_store, tiny_model_dir, tmp_path, strategy):
+    import torch.multiprocessing as mp
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _dist_worker import run_rank
+
+    cfg = _cfg(tiny_store, tiny_model_dir, tmp_path / "run", epochs=1, distributed=strategy).to_dict()
+    mp.spawn(run_rank, args=(2, _free_port(), cfg, str(tmp_path)), nprocs=2, join=True)
+    r0 = json.loads((tmp_path / "rank0.json").read_text())
+    r1 = json.loads((tmp_path / "rank1.json").read_text())
+    assert r0["digest"] == r1["digest"], "ranks diverged"
+    assert r0["step"] == r1["step"] > 0
+    assert not set(r0["plan"]) & set(r1["plan"])
+    st = _state(tmp_path / "run" / (tmp_path / "run" / "latest").read_text().strip())
+    assert st["loop"]["world_size"] == 2 and len(st["loop"]["positions"]) == 2
+    assert len(st["plans"]) == 2 and st["plans"][1] == r1["plan"]
