@@ -442,25 +442,28 @@ async def generate(
     try:
         async with client:
             await sat.start()
-            writer_task = asyncio.create_task(writer_loop(), name="hsgen-writer")
             try:
-                await dispatch()
-            except Exception as e:  # a bad input with --on-bad-input fail, an unreadable file, ...
-                abort(str(e))
-            interrupted = stop.is_set() and summary.fatal is None
-            if tasks:
-                if stop.is_set():
-                    done, pending = await asyncio.wait(set(tasks), timeout=config.stop_grace_s)
-                    for t in pending:
-                        t.cancel()
-                    await asyncio.gather(*pending, return_exceptions=True)
-                else:
-                    await asyncio.gather(*list(tasks))
-            await queue.put(None)
-            await writer_task
-            summary.endpoints = {
-                url: {**stats, **sat.snapshot()[url]} for url, stats in client.stats().items()
-            }
+                writer_task = asyncio.create_task(writer_loop(), name="hsgen-writer")
+                try:
+                    await dispatch()
+                except Exception as e:  # a bad input with --on-bad-input fail, an unreadable file, ...
+                    abort(str(e))
+                interrupted = stop.is_set() and summary.fatal is None
+                if tasks:
+                    if stop.is_set():
+                        done, pending = await asyncio.wait(set(tasks), timeout=config.stop_grace_s)
+                        for t in pending:
+                            t.cancel()
+                        await asyncio.gather(*pending, return_exceptions=True)
+                    else:
+                        await asyncio.gather(*list(tasks))
+                await queue.put(None)
+                await writer_task
+                summary.endpoints = {
+                    url: {**stats, **sat.snapshot()[url]} for url, stats in client.stats().items()
+                }
+            finally:
+                await sat.stop()  # before the session closes: the metrics poller uses it
     except (asyncio.CancelledError, KeyboardInterrupt):
         interrupted = True
         for t in list(tasks):

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# The main job end to end on built-in defaults, on one CPU machine:
+#   reference server (tiny Qwen3-style model) + shipped sample chats
+#   -> hsgen generate -> verified store -> spectrain train (DFlash) -> exported vLLM checkpoint.
+#
+#   bash scripts/demo.sh [WORKDIR]        (default ./demo; env: DEMO_SAMPLES, DEMO_PORT, DEMO_ALGORITHM)
+#
+# Re-running resumes: stored samples are skipped and training continues from its last checkpoint.
+set -euo pipefail
+WORK=${1:-demo}
+SAMPLES=${DEMO_SAMPLES:-240}
+PORT=${DEMO_PORT:-8765}
+ALGORITHM=${DEMO_ALGORITHM:-dflash}
+LAYERS=1,2,3,4   # tiny model has 4 layers: 1,2,3 feed the draft, 4 (last, before the final norm) gives the targets
+mkdir -p "$WORK"
+WORK=$(cd "$WORK" && pwd)
+if [ -d /dev/shm ] && [ -w /dev/shm ]; then SHARED=/dev/shm/hsgen-demo-$$; else SHARED=$WORK/shared; fi
+mkdir -p "$SHARED"
+
+MODEL=$(python -c 'from hsgen.tiny import ensure_tiny_model; print(ensure_tiny_model())')
+CHATS=$(python -c 'from hsgen.sample_data import sample_chats_path; print(sample_chats_path())')
+
+echo "[demo] 1/4 starting the reference server on port $PORT (log: $WORK/serve.log)" >&2
+hsgen serve --model tiny --layers "$LAYERS" --shared-storage-path "$SHARED" --port "$PORT" >"$WORK/serve.log" 2>&1 &
+SERVER=$!
+cleanup() { kill "$SERVER" 2>/dev/null || true; wait "$SERVER" 2>/dev/null || true; rm -rf "$SHARED"; }
+trap cleanup EXIT
+python - "$PORT" "$SERVER" <<'PY'
+import sys, time, urllib.request, os
+port, pid = sys.argv[1], int(sys.argv[2])
+for _ in range(600):
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+        sys.exit(0)
+    except OSError:
+        os.kill(pid, 0)  # raises if the server died
+        time.sleep(0.2)
+sys.exit("server did not become healthy")
+PY
+
+echo "[demo] 2/4 hsgen generate: $SAMPLES sample chats -> $WORK/store" >&2
+hsgen generate "$CHATS" --endpoint "http://127.0.0.1:$PORT" --shared-dir "$SHARED" \
+    --store "$WORK/store" --layer-ids "$LAYERS" --tokenizer "$MODEL" --limit "$SAMPLES" --max-len 1024 \
+    >"$WORK/generate.json"
+cat "$WORK/generate.json"
+hsgen verify "$WORK/store" --json >"$WORK/verify.json"
+hsgen status "$WORK/store"
+
+echo "[demo] 3/4 spectrain train --speculator-type $ALGORITHM" >&2
+spectrain train --store "$WORK/store" --verifier "$MODEL" --verifier-name hsgen/tiny-qwen3 \
+    --speculator-type "$ALGORITHM" --save-path "$WORK/draft" --epochs 2 --total-seq-len 1024 \
+    --block-size 4 --max-anchors 64 --num-layers 1 --draft-vocab-size 512 --lr 3e-3 \
+    --save-every 50 --val-fraction 0.05 --num-workers 0 >"$WORK/train.json"
+cat "$WORK/train.json"
+
+echo "[demo] 4/4 exported checkpoint (what 'vllm serve' loads):" >&2
+CKPT="$WORK/draft/$(cat "$WORK/draft/latest")"
+ls -l "$CKPT"
+python - "$CKPT" <<'PY'
+import json, sys
+cfg = json.load(open(f"{sys.argv[1]}/config.json"))
+print(json.dumps({"checkpoint": sys.argv[1], "speculators_model_type": cfg["speculators_model_type"],
+                  "architectures": cfg["architectures"],
+                  "speculative_tokens": cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"]}))
+PY
