@@ -50,3 +50,6 @@ def test_tiny_model_is_deterministic_and_loads(tmp_path, tiny_model_dir):
         out = model(torch.tensor([ids]), output_hidden_states=True)
     assert len(out.hidden_states) == config["num_hidden_layers"] + 1
     assert out.logits.shape == (1, len(ids), config["vocab_size"])
+    # The default model is briefly pretrained: its next-token distributions are far from uniform.
+    entropy = -(out.logits.softmax(-1) * out.logits.log_softmax(-1)).sum(-1).mean()
+    assert entropy < 0.7 * torch.log(torch.tensor(float(config["vocab_size"])))

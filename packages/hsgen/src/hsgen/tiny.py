@@ -9,8 +9,10 @@ transformers, tokenizers); nothing here is imported by the client.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -50,12 +52,23 @@ class TinyModelSpec:
     tie_word_embeddings: bool = False
     seed: int = 0
     corpus: str = "sample_chats"
-    """Text the tokenizer is trained on: ``sample_chats`` (the shipped dataset)."""
+    """Text the tokenizer (and the pretraining) uses: ``sample_chats`` (the shipped dataset)."""
+    pretrain_steps: int = 0
+    """AdamW steps of next-token training on the corpus after the random init (0 = random weights).
+    A briefly trained verifier has peaked, learnable next-token distributions, so drafts trained
+    on it reach an acceptance length above 1; a random one is near-uniform."""
+    pretrain_seq_len: int = 256
+    pretrain_batch: int = 16
+    pretrain_lr: float = 3e-3
 
     def fingerprint(self) -> str:
         """Short stable hash naming the cache directory."""
         payload = json.dumps({"v": BUILD_VERSION, **asdict(self)}, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:12]
+
+
+DEFAULT_SPEC = TinyModelSpec(pretrain_steps=150, pretrain_seq_len=128, pretrain_batch=8)
+"""The model ``--model tiny`` serves: the default shape, briefly pretrained on the sample chats."""
 
 
 def default_cache_dir() -> Path:
@@ -113,7 +126,9 @@ def build_model_dir(out_dir: Path, spec: TinyModelSpec, texts: Iterable[str] | N
     if texts is None:
         if spec.corpus != "sample_chats":
             raise ValueError(f"unknown corpus {spec.corpus!r}: pass the texts explicitly")
-        texts = _sample_chat_texts()
+        texts = list(_sample_chat_texts())
+    else:
+        texts = list(texts)
     tokenizer = build_tokenizer(texts, spec.tokenizer_vocab_size)
     config = Qwen3Config(
         vocab_size=_padded_vocab(len(tokenizer)),
@@ -134,6 +149,8 @@ def build_model_dir(out_dir: Path, spec: TinyModelSpec, texts: Iterable[str] | N
     try:
         torch.manual_seed(spec.seed)
         model = Qwen3ForCausalLM(config)
+        if spec.pretrain_steps > 0:
+            _pretrain(model, tokenizer, texts, spec)
     finally:
         torch.random.set_rng_state(generator_state)
     model.eval()
@@ -147,28 +164,52 @@ def build_model_dir(out_dir: Path, spec: TinyModelSpec, texts: Iterable[str] | N
     return out_dir
 
 
+def _pretrain(model, tokenizer, texts: list[str], spec: TinyModelSpec) -> None:
+    """A short next-token training run on ``texts`` (random windows of the joined token stream)."""
+    import torch
+
+    stream = torch.tensor([t for text in texts for t in tokenizer(text)["input_ids"]], dtype=torch.long)
+    n_windows = len(stream) - spec.pretrain_seq_len - 1
+    if n_windows <= 0:
+        raise ValueError(f"corpus of {len(stream)} tokens is shorter than pretrain_seq_len")
+    generator = torch.Generator().manual_seed(spec.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.pretrain_lr, weight_decay=0.0)
+    model.train()
+    for step in range(spec.pretrain_steps):
+        lr_scale = min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * step / spec.pretrain_steps))
+        for group in optimizer.param_groups:
+            group["lr"] = spec.pretrain_lr * lr_scale
+        starts = torch.randint(0, n_windows, (spec.pretrain_batch,), generator=generator)
+        batch = torch.stack([stream[s : s + spec.pretrain_seq_len + 1] for s in starts.tolist()])
+        loss = model(input_ids=batch[:, :-1], labels=batch[:, :-1].clone()).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+
+
 def ensure_tiny_model(
     cache_dir: str | os.PathLike[str] | None = None, spec: TinyModelSpec | None = None
 ) -> Path:
     """Return a local model directory for ``spec``, building it on first use.
 
-    Safe under concurrency: the model is built in a temporary directory and renamed into
-    place, so parallel test workers either build their own copy or find a complete one.
+    Safe under concurrency: one process builds (under an ``flock`` on a lock file beside the
+    cache entry) in a temporary directory renamed into place; the others wait and reuse it.
     """
-    spec = spec or TinyModelSpec()
+    spec = spec or DEFAULT_SPEC
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     target = root / f"tiny-qwen3-{spec.fingerprint()}"
     if (target / "config.json").exists():
         return target
     root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".building-", dir=root))
-    try:
-        build_model_dir(staging / "model", spec)
+    with open(root / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / "config.json").exists():
+            return target
+        staging = Path(tempfile.mkdtemp(prefix=".building-", dir=root))
         try:
+            build_model_dir(staging / "model", spec)
             os.rename(staging / "model", target)
-        except OSError:
-            if not (target / "config.json").exists():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     return target
