@@ -1,0 +1,25 @@
+"""The hidden-state store: zarr v3 shards of whole samples plus per-writer manifests.
+
+Open with :meth:`HiddenStateStore.create` / :meth:`HiddenStateStore.open`; add samples through a
+:class:`ShardWriter`; read :class:`Sample` objects by id. Byte layout: ``docs/format.md``.
+"""
+
+from .errors import StoreError, StoreHeaderMismatch
+from .header import CODECS, FORMAT_VERSION, LOGICAL_DTYPES, STORAGE_DTYPES, StoreHeader
+from .records import Sample, SampleRecord
+from .store import HiddenStateStore
+from .writer import ShardWriter
+
+__all__ = [
+    "CODECS",
+    "FORMAT_VERSION",
+    "LOGICAL_DTYPES",
+    "STORAGE_DTYPES",
+    "HiddenStateStore",
+    "Sample",
+    "SampleRecord",
+    "ShardWriter",
+    "StoreError",
+    "StoreHeader",
+    "StoreHeaderMismatch",
+]

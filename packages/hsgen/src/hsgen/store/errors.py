@@ -1,0 +1,19 @@
+"""Exceptions raised by :mod:`hsgen.store`."""
+
+from __future__ import annotations
+
+
+class StoreError(Exception):
+    """A store that cannot be opened, read or written as asked; the message names the path."""
+
+
+class StoreHeaderMismatch(StoreError):
+    """Samples with a different data meaning (header) were offered to an existing store.
+
+    Attributes:
+        problems: one human-readable line per differing field.
+    """
+
+    def __init__(self, message: str, problems: list[str]):
+        super().__init__(message)
+        self.problems = problems

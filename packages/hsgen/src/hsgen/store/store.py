@@ -1,0 +1,419 @@
+"""HiddenStateStore: a directory of zarr shards plus per-writer manifests."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from . import codecs as C
+from .errors import StoreError, StoreHeaderMismatch
+from .fsutil import atomic_write_exclusive, failpoint, fsync_dir, is_locked, tree_bytes
+from .header import FORMAT_VERSION, StoreHeader
+from .manifest import MANIFEST_SUFFIX, ManifestAppender, ManifestReplay, ReplayDelta, ShardInfo
+from .records import Sample, SampleRecord
+from .shard import ShardReader
+from .writer import SHARD_NAME, ShardWriter, default_writer_id, remove_tree
+
+log = logging.getLogger(__name__)
+
+HEADER_FILE = "hsgen-store.json"
+"""The store's header file; its presence makes a directory a store."""
+
+STORE_FORMAT = "hsgen-store"
+_OWN_ENTRIES = {HEADER_FILE, "manifests", "shards"}
+_MAX_OPEN_SHARDS = 64
+
+
+class _Reader:
+    """A cached ShardReader with a user count, closed only when evicted and unused."""
+
+    def __init__(self, reader: ShardReader):
+        self.reader = reader
+        self.users = 0
+        self.evicted = False
+
+
+class HiddenStateStore:
+    """A hidden-state store: open it with :meth:`create` or :meth:`open`.
+
+    Readers see samples committed by other processes after :meth:`refresh`; samples written through
+    this object's writers are visible at once. Safe to share between threads.
+    """
+
+    def __init__(self, path: Path, header: StoreHeader, *, replay: bool = True):
+        """Use :meth:`create` or :meth:`open`."""
+        self.path = path
+        self.header = header
+        self._lock = threading.RLock()
+        self._replay = ManifestReplay(path / "manifests")
+        self._index: dict[str, tuple[ShardInfo, int]] = {}
+        self._duplicates = 0
+        self._order: list[str] | None = None
+        self._readers: OrderedDict[str, _Reader] = OrderedDict()
+        self._ops: ManifestAppender | None = None
+        if replay:
+            self.refresh()
+
+    # ------------------------------------------------------------------ opening
+
+    @classmethod
+    def create(cls, path, header: StoreHeader, *, exist_ok: bool = True) -> HiddenStateStore:
+        """Create a store at ``path``, or open the existing one there if its header matches.
+
+        Raises:
+            StoreHeaderMismatch: the existing store holds data of a different meaning or codec.
+            StoreError: ``path`` exists and is not a store (or is one and ``exist_ok`` is False).
+        """
+        path = Path(path)
+        header_file = path / HEADER_FILE
+        if not header_file.exists():
+            if path.exists() and not path.is_dir():
+                raise StoreError(f"{path}: exists and is not a directory")
+            if path.is_dir():
+                foreign = sorted(
+                    e for e in os.listdir(path) if e not in _OWN_ENTRIES and not e.startswith(".")
+                )
+                if foreign:
+                    raise StoreError(f"{path}: not empty and not an hsgen store (contains {foreign[:5]})")
+            (path / "manifests").mkdir(parents=True, exist_ok=True)
+            (path / "shards").mkdir(exist_ok=True)
+            fsync_dir(path)
+            doc = {"format": STORE_FORMAT, "format_version": FORMAT_VERSION, "header": header.to_dict()}
+            if atomic_write_exclusive(header_file, json.dumps(doc, indent=2).encode() + b"\n"):
+                log.info("created store %s", path)
+                return cls.open(path)
+        elif not exist_ok:
+            raise StoreError(f"{path}: a store already exists there")
+        store = cls.open(path)
+        problems = store.header.compatible_with(header)
+        if store.header.codec != header.codec:
+            problems.append(f"codec: store has {store.header.codec!r}, got {header.codec!r}")
+        if problems:
+            raise StoreHeaderMismatch(
+                f"{path}: refusing samples with a different header:\n  " + "\n  ".join(problems), problems
+            )
+        return store
+
+    @classmethod
+    def open(cls, path, *, replay: bool = True) -> HiddenStateStore:
+        """Open an existing store.
+
+        Args:
+            path: the store directory.
+            replay: read the manifests now (``False`` only checks the header; call
+                :meth:`refresh` before using samples).
+
+        Raises:
+            StoreError: ``path`` is not a store, or was written by a newer format version.
+        """
+        path = Path(path)
+        header_file = path / HEADER_FILE
+        try:
+            doc = json.loads(header_file.read_bytes())
+        except FileNotFoundError as e:
+            raise StoreError(f"{path}: not an hsgen store (no {HEADER_FILE})") from e
+        except (ValueError, OSError) as e:
+            raise StoreError(f"{header_file}: unreadable store header ({e})") from e
+        if not isinstance(doc, dict) or doc.get("format") != STORE_FORMAT:
+            raise StoreError(f"{header_file}: not an hsgen store header (format != {STORE_FORMAT!r})")
+        try:
+            header = StoreHeader.from_dict(doc["header"])
+        except (KeyError, ValueError, TypeError) as e:
+            raise StoreError(f"{header_file}: invalid header ({e})") from e
+        if header.format_version > FORMAT_VERSION:
+            raise StoreError(
+                f"{header_file}: format version {header.format_version} is newer than this hsgen "
+                f"reads ({FORMAT_VERSION}); upgrade hsgen"
+            )
+        return cls(path, header, replay=replay)
+
+    # ------------------------------------------------------------------ index
+
+    def refresh(self) -> None:
+        """Re-read the manifests (only bytes appended since the last refresh)."""
+        with self._lock:
+            self._apply(self._replay.refresh())
+
+    def _apply(self, delta: ReplayDelta) -> None:
+        if delta.deleted:
+            self._rebuild()
+            return
+        index = self._index
+        for info in delta.committed:
+            if info.name in self._replay.deleted:
+                continue
+            self._order = None
+            for i, row in enumerate(info.rows):
+                current = index.get(row[0])
+                if current is None:
+                    index[row[0]] = (info, i)
+                else:
+                    self._duplicates += 1
+                    if info.key < current[0].key:
+                        index[row[0]] = (info, i)
+
+    def _live(self) -> list[ShardInfo]:
+        shards = [s for n, s in self._replay.shards.items() if n not in self._replay.deleted]
+        return sorted(shards, key=lambda s: s.key)
+
+    def _rebuild(self) -> None:
+        self._index, self._duplicates, self._order = {}, 0, None
+        for info in self._live():
+            for i, row in enumerate(info.rows):
+                if row[0] in self._index:
+                    self._duplicates += 1
+                else:
+                    self._index[row[0]] = (info, i)
+
+    def __contains__(self, sample_id) -> bool:
+        return sample_id in self._index
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def sample_ids(self) -> list[str]:
+        """Live sample ids in manifest order (manifest files by name, then line order)."""
+        with self._lock:
+            if self._order is None:
+                self._order = [
+                    row[0]
+                    for info in self._live()
+                    for i, row in enumerate(info.rows)
+                    if self._index[row[0]] == (info, i)
+                ]
+            return list(self._order)
+
+    def record(self, sample_id: str) -> SampleRecord:
+        """The manifest record of a live sample (KeyError if absent)."""
+        info, i = self._lookup(sample_id)
+        sid, offset, length, checksum = info.rows[i]
+        return SampleRecord(sid, info.name, offset, length, checksum)
+
+    def _lookup(self, sample_id: str) -> tuple[ShardInfo, int]:
+        try:
+            return self._index[sample_id]
+        except KeyError:
+            raise KeyError(f"sample {sample_id!r} is not in store {self.path}") from None
+
+    def shards(self) -> dict[str, list[str]]:
+        """Live shard -> ids of the samples it holds."""
+        with self._lock:
+            return {info.name: [r[0] for r in info.rows] for info in self._live()}
+
+    # ------------------------------------------------------------------ reading
+
+    def _acquire(self, shard: str) -> _Reader:
+        with self._lock:
+            entry = self._readers.get(shard)
+            if entry is None:
+                entry = _Reader(ShardReader(self.path / shard, self.header))
+                self._readers[shard] = entry
+                while len(self._readers) > _MAX_OPEN_SHARDS:
+                    _, old = self._readers.popitem(last=False)
+                    old.evicted = True
+                    if old.users == 0:
+                        old.reader.close()
+            else:
+                self._readers.move_to_end(shard)
+            entry.users += 1
+            return entry
+
+    def _release(self, entry: _Reader) -> None:
+        with self._lock:
+            entry.users -= 1
+            if entry.evicted and entry.users == 0:
+                entry.reader.close()
+
+    def read(self, sample_id: str, *, verify: bool = False) -> Sample:
+        """Read one live sample (KeyError if absent).
+
+        Args:
+            sample_id: the sample.
+            verify: also check the checksum (StoreError on mismatch).
+        """
+        info, i = self._lookup(sample_id)
+        entry = self._acquire(info.name)
+        try:
+            return self._read_row(entry.reader, info, i, verify)
+        finally:
+            self._release(entry)
+
+    def _read_row(self, reader: ShardReader, info: ShardInfo, i: int, verify: bool) -> Sample:
+        sid, offset, length, checksum = info.rows[i]
+        hidden, token_ids, loss_mask, scale = reader.read(offset, length)
+        if verify:
+            arrays = [hidden] + ([scale] if scale is not None else []) + [token_ids, loss_mask]
+            got = C.checksum_like(checksum, arrays)
+            if got != checksum:
+                raise StoreError(
+                    f"{self.path / info.name}: sample {sid!r} checksum {got} != manifest {checksum}"
+                )
+        return Sample(sid, reader.decode(hidden, scale), token_ids, loss_mask, self.header.dtype)
+
+    def read_many(self, sample_ids: Iterable[str], *, verify: bool = False) -> list[Sample]:
+        """Read several samples (in the order given), grouping the reads per shard."""
+        ids = list(sample_ids)
+        located = [self._lookup(s) for s in ids]
+        order = sorted(range(len(ids)), key=lambda k: (located[k][0].key, located[k][1]))
+        out: list[Sample | None] = [None] * len(ids)
+        entry: _Reader | None = None
+        try:
+            for k in order:
+                info, i = located[k]
+                if entry is None or entry.reader.root != self.path / info.name:
+                    if entry is not None:
+                        self._release(entry)
+                        entry = None
+                    entry = self._acquire(info.name)
+                out[k] = self._read_row(entry.reader, info, i, verify)
+        finally:
+            if entry is not None:
+                self._release(entry)
+        return out  # type: ignore[return-value]
+
+    def __getitem__(self, sample_id: str) -> Sample:
+        return self.read(sample_id)
+
+    def __iter__(self) -> Iterator[Sample]:
+        """Samples in manifest order."""
+        for sid in self.sample_ids():
+            yield self.read(sid)
+
+    # ------------------------------------------------------------------ writing
+
+    def writer(self, writer_id: str | None = None, *, shard_bytes: int = 32 << 20, **kwargs) -> ShardWriter:
+        """A new :class:`ShardWriter` (``kwargs``: ``chunk_bytes``, ``fsync``)."""
+        return ShardWriter(self, writer_id, shard_bytes=shard_bytes, **kwargs)
+
+    def delete_shard(self, shard: str) -> None:
+        """Record a tombstone for ``shard`` in the manifest, then remove its files. Idempotent.
+
+        Raises:
+            KeyError: no such shard was ever committed.
+        """
+        with self._lock:
+            self.refresh()
+            if shard not in self._replay.shards:
+                raise KeyError(f"shard {shard!r} was never committed to store {self.path}")
+            if shard not in self._replay.deleted:
+                if self._ops is None:
+                    ops_id = f"delete-{default_writer_id()}"
+                    self._ops = ManifestAppender(self.path / "manifests" / f"{ops_id}{MANIFEST_SUFFIX}")
+                self._ops.append([{"op": "delete", "shard": shard}])
+                failpoint("tombstoned")
+                self.refresh()
+            entry = self._readers.pop(shard, None)
+            if entry is not None:
+                entry.evicted = True
+                if entry.users == 0:
+                    entry.reader.close()
+        remove_tree(self.path / shard)
+
+    # ------------------------------------------------------------------ maintenance
+
+    def stats(self) -> dict:
+        """Summary from the manifests alone: samples, tokens, bytes, bytes_per_token, shards, writers..."""
+        with self._lock:
+            live = self._live()
+            tokens = sum(info.rows[i][2] for info, i in self._index.values())
+            stored_tokens = sum(s.tokens for s in live)
+            nbytes = sum(s.nbytes for s in live)
+            writers = sorted({s.writer for s in live})
+            return {
+                "path": str(self.path),
+                "samples": len(self._index),
+                "tokens": tokens,
+                "bytes": nbytes,
+                "bytes_per_token": (nbytes / stored_tokens) if stored_tokens else 0.0,
+                "shards": len(live),
+                "writers": len(writers),
+                "writer_ids": writers,
+                "deleted_shards": len(self._replay.deleted),
+                "duplicates": self._duplicates,
+                "manifest_problems": len(self._replay.problems),
+                "codec": self.header.codec,
+                "header": self.header.to_dict(),
+            }
+
+    def verify(self, *, progress: bool = False) -> list[str]:
+        """Check every live sample's checksum and every shard's shapes; returns problems, [] if healthy."""
+        from .verify import verify_store
+
+        return verify_store(self, progress=progress)
+
+    def gc(self, *, dry_run: bool = False, min_age_s: float = 60.0) -> dict:
+        """Remove temp files, uncommitted shards of dead writers, and tombstoned shards.
+
+        Shards and temp files of live writers (their manifest lock is held) are left alone.
+
+        Args:
+            dry_run: only count what would be removed.
+            min_age_s: leave store-level temp files younger than this (a create may be running).
+
+        Returns:
+            ``removed_temp``, ``removed_deleted``, ``removed_uncommitted``, ``bytes_freed``,
+            ``live_writers``, ``dry_run``.
+        """
+        self.refresh()
+        out = {"removed_temp": 0, "removed_deleted": 0, "removed_uncommitted": 0, "bytes_freed": 0}
+        live_writers = 0
+        shards_dir = self.path / "shards"
+        for writer in sorted(os.listdir(shards_dir)):
+            wdir = shards_dir / writer
+            if not wdir.is_dir():
+                continue
+            alive = is_locked(self.path / "manifests" / f"{writer}{MANIFEST_SUFFIX}")
+            live_writers += alive
+            for entry in sorted(os.listdir(wdir)):
+                rel = f"shards/{writer}/{entry}"
+                if ".trash-" in entry or (".tmp-" in entry and not alive):
+                    kind = "removed_temp"
+                elif SHARD_NAME.match(entry) and rel in self._replay.deleted:
+                    kind = "removed_deleted"
+                elif SHARD_NAME.match(entry) and rel not in self._replay.shards and not alive:
+                    kind = "removed_uncommitted"
+                else:
+                    continue
+                out[kind] += 1
+                out["bytes_freed"] += tree_bytes(wdir / entry)
+                if not dry_run:
+                    log.info("gc: removing %s (%s)", rel, kind.removeprefix("removed_"))
+                    remove_tree(wdir / entry)
+        now = time.time()
+        for entry in os.listdir(self.path):
+            p = self.path / entry
+            if entry.startswith(f".{HEADER_FILE}.tmp-") and now - p.stat().st_mtime > min_age_s:
+                out["removed_temp"] += 1
+                out["bytes_freed"] += p.stat().st_size
+                if not dry_run:
+                    p.unlink(missing_ok=True)
+        out["live_writers"] = live_writers
+        out["dry_run"] = dry_run
+        return out
+
+    def close(self) -> None:
+        """Close cached shard files and the tombstone manifest."""
+        with self._lock:
+            for entry in self._readers.values():
+                entry.evicted = True
+                if entry.users == 0:
+                    entry.reader.close()
+            self._readers.clear()
+            if self._ops is not None:
+                self._ops.close()
+                self._ops = None
+
+    def __enter__(self) -> HiddenStateStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"HiddenStateStore({str(self.path)!r}, samples={len(self)}, codec={self.header.codec!r})"
