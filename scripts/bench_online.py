@@ -1,0 +1,137 @@
+"""Benchmark online training's data path: does the trainer wait when the servers keep up?
+
+A reference server (``hsgen serve --model tiny``) runs with a capacity model (a GPU's prefill
+tokens/s and concurrency), in its own process. A simulated trainer reads packed sequences
+through :class:`spectrain.online.OnlineSource` and :class:`spectrain.data.PackedLoader` exactly
+as ``spectrain train --online`` does, spends a fixed time per optimizer step (the GPU's work),
+then reports the step's samples consumed (``--delete-consumed``). The server's capacity is set
+to ``--headroom`` times the trainer's consumption.
+
+Measured: the fraction of trainer time spent waiting for data (steady state: after
+``--warmup-steps`` steps, while the pipeline first fills; the warm-up's wait is reported
+separately on stderr), and the peak bytes
+of the scratch directory against its configured bound (polled every 5 ms by a watcher thread).
+
+Last stdout line: ``{"wait_fraction", "scratch_peak_bytes", "scratch_bound_bytes"}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+log = logging.getLogger("bench_online")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="~1 minute on 2 cores")
+    ap.add_argument("--prompts", type=int, default=905, help="prompts from the sample chats")
+    ap.add_argument("--warmup-steps", type=int, default=3, help="first steps left out of wait_fraction")
+    ap.add_argument("--seq-len", type=int, default=2048, help="tokens per packed sequence (one per step)")
+    ap.add_argument("--step-s", type=float, default=0.4, help="simulated GPU time per optimizer step")
+    ap.add_argument("--headroom", type=float, default=2.0, help="server capacity / trainer consumption")
+    ap.add_argument("--max-seqs", type=int, default=32, help="server concurrent sequences")
+    ap.add_argument("--scratch-mb", type=float, default=8.0, help="scratch bound, MiB")
+    ap.add_argument("--epochs", type=int, default=1)
+    ap.add_argument(
+        "--loader-prefetch", type=int, default=32, help="spectrain train --prefetch: samples read ahead"
+    )
+    args = ap.parse_args()
+    if args.quick:
+        args.prompts = min(args.prompts, 400)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("hsgen").setLevel(logging.WARNING)
+    logging.getLogger("spectrain").setLevel(logging.WARNING)
+
+    import torch
+
+    from hsgen.sample_data import sample_chats_path
+    from hsgen.serve.testing import running_server
+    from hsgen.tiny import ensure_tiny_model
+    from spectrain.data import PackedLoader
+    from spectrain.online import OnlineConfig, OnlineSource, dir_bytes
+
+    torch.set_num_threads(1)
+    model = ensure_tiny_model()
+    consumption = args.seq_len / args.step_s
+    capacity = f"tokens_per_s={consumption * args.headroom:.0f},max_seqs={args.max_seqs}"
+    bound = int(args.scratch_mb * (1 << 20))
+    with tempfile.TemporaryDirectory(prefix="bench-online-", dir="/dev/shm") as tmp_name:
+        tmp = Path(tmp_name)
+        lines = Path(sample_chats_path()).read_text().splitlines()[: args.prompts]
+        (tmp / "p.jsonl").write_text("\n".join(lines) + "\n")
+        log.info("trainer consumes %.0f tokens/s; server capacity %s; scratch bound %d bytes", consumption, capacity,
+                 bound)  # fmt: skip
+        with running_server(model, [1, 2, 4], tmp / "hs", capacity=capacity, mode="process") as url:
+            cfg = OnlineConfig(
+                endpoints=[url], prompts=[str(tmp / "p.jsonl")], store=str(tmp / "store"), verifier=str(model),
+                save_path=str(tmp / "save"), layer_ids=[1, 2, 4], scratch_dir=str(tmp / "scratch"),
+                scratch_bytes=bound, delete_consumed=True, shared_dir=str(url.shared_dir),
+            )  # fmt: skip
+            src = OnlineSource(cfg)
+            _ = src.header
+            peak = [0]
+            stop = threading.Event()
+
+            def watch() -> None:
+                while not stop.is_set():
+                    peak[0] = max(peak[0], dir_bytes(tmp / "scratch"))
+                    time.sleep(0.005)
+
+            watcher = threading.Thread(target=watch, daemon=True)
+            watcher.start()
+            waits: list[float] = []
+            steps: list[float] = []
+            tokens = 0
+            t_start = time.perf_counter()
+            try:
+                for epoch in range(args.epochs):
+                    plan = src.plan(epoch)
+                    batches = iter(PackedLoader(src, plan, total_seq_len=args.seq_len, layers=None,
+                                                hidden_dtype=torch.float32, prefetch=args.loader_prefetch))  # fmt: skip
+                    while True:
+                        t0 = time.perf_counter()
+                        b = next(batches, None)
+                        if b is None:
+                            break
+                        wait = time.perf_counter() - t0
+                        time.sleep(args.step_s)  # the GPU's forward, backward and optimizer step
+                        src.consumed(b.sample_ids)
+                        waits.append(wait)
+                        steps.append(time.perf_counter() - t0)
+                        tokens += b.num_tokens
+                        if len(steps) % 20 == 0:
+                            log.info("step %d: wait %.1f ms, scratch %.2f MB", len(steps), wait * 1e3,
+                                     dir_bytes(tmp / "scratch") / 1e6)  # fmt: skip
+            finally:
+                stop.set()
+                watcher.join()
+                stats = src.stats()
+                src.close()
+            elapsed = time.perf_counter() - t_start
+    k = args.warmup_steps
+    steady = sum(waits[k:]) / max(sum(steps[k:]), 1e-9)
+    overall = sum(waits) / max(sum(steps), 1e-9)
+    detail = {
+        "steps": len(steps),
+        "tokens_per_s": tokens / elapsed,
+        "consumption_tokens_per_s": consumption,
+        "capacity": capacity,
+        "wait_fraction_including_first_step": overall,
+        "warmup_wait_s": sum(waits[:k]),
+        "waits_ms": [round(w * 1e3, 1) for w in waits],
+        "source": stats,
+    }
+    print(json.dumps(detail), file=sys.stderr)
+    print(json.dumps({"wait_fraction": steady, "scratch_peak_bytes": peak[0], "scratch_bound_bytes": bound}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,199 @@
+"""``spectrain train --online`` end to end against the reference server, as separate processes.
+
+Every run is checked against the trainer's own record of what it trained: the source logs the
+sample ids of each completed optimizer step (``online-consumed-rank0.jsonl``); after a kill and
+resume, the steps the crashed run took after its last checkpoint are dropped (the resumed run
+trains them again from the checkpointed cursor). Every planned sample must then appear exactly
+once per epoch, and the scratch directory must stay under its bound the whole time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from hsgen.serve.testing import running_server
+from hsgen.store import HiddenStateStore
+from spectrain.online import dir_bytes
+
+LAYERS = "1,2,4"
+BOUND = 3 << 20
+
+pytestmark = pytest.mark.slow
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    return env
+
+
+def write_prompts(sample_chats_path, path: Path, n: int) -> list[str]:
+    lines = Path(sample_chats_path).read_text().splitlines()[:n]
+    path.write_text("\n".join(lines) + "\n")
+    return [json.loads(x)["id"] for x in lines]
+
+
+def train_cmd(url, prompts: Path, tiny: Path, tmp: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "spectrain.cli", "train", "--online",
+        "--endpoint", url, "--prompts", str(prompts), "--verifier", str(tiny),
+        "--save-path", str(tmp / "save"), "--store", str(tmp / "store"),
+        "--shared-dir", str(url.shared_dir), "--scratch-dir", str(tmp / "scratch"),
+        "--scratch-bytes", str(BOUND), "--online-option", "layer_ids=[1,2,4]",
+        "--total-seq-len", "512", "--block-size", "4", "--num-layers", "1", "--max-anchors", "16",
+        "--val-fraction", "0", "--log-every", "1", "--device", "cpu", *extra,
+    ]  # fmt: skip
+
+
+class ScratchWatcher:
+    """Polls the scratch directory's size in a thread; ``peak`` is the most it ever held."""
+
+    def __init__(self, path: Path):
+        self.path, self.peak, self._stop = path, 0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self.path.exists():
+                self.peak = max(self.peak, dir_bytes(self.path))
+            time.sleep(0.01)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
+def trained_per_epoch(save: Path) -> dict[int, list[str]]:
+    """Sample ids trained per epoch in the final model's lineage (steps lost to a crash dropped)."""
+    kept: list[dict] = []
+    run = None
+    for line in (save / "online-consumed-rank0.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if rec["run"] != run:
+            run, e, p = rec["run"], rec["epoch"], rec["start_pos"]
+            kept = [r for r in kept if r["epoch"] < e or (r["epoch"] == e and max(r["positions"]) < p)]
+        kept.append(rec)
+    out: dict[int, list[str]] = {}
+    for r in kept:
+        out.setdefault(r["epoch"], []).extend(r["ids"])
+    return out
+
+
+def last_data_metrics(save: Path) -> dict:
+    recs = [json.loads(x) for x in (save / "metrics.jsonl").read_text().splitlines()]
+    return [r["data"] for r in recs if "data" in r][-1]
+
+
+def test_online_training_two_epochs(tiny_model_dir, sample_chats_path, tmp_path):
+    ids = write_prompts(sample_chats_path, tmp_path / "p.jsonl", 30)
+    with running_server(tiny_model_dir, LAYERS, tmp_path / "hs") as url:
+        watch = ScratchWatcher(tmp_path / "scratch")
+        cmd = train_cmd(
+            url, tmp_path / "p.jsonl", tiny_model_dir, tmp_path, "--epochs", "2", "--delete-consumed"
+        )
+        proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=240)
+        peak = watch.stop()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    per_epoch = trained_per_epoch(tmp_path / "save")
+    assert sorted(per_epoch) == [0, 1]
+    for epoch_ids in per_epoch.values():
+        assert sorted(epoch_ids) == sorted(ids)
+    data = last_data_metrics(tmp_path / "save")
+    assert data["samples_failed"] == 0
+    # epoch 1 fetches again what epoch 0 deleted; a shard not yet deleted at the boundary is reused
+    assert data["samples_generated"] + data["samples_from_scratch"] == 2 * len(ids)
+    assert data["samples_generated"] > len(ids)
+    assert 0 < peak <= BOUND and data["scratch_peak_bytes"] <= BOUND
+    assert not (tmp_path / "scratch").exists()  # everything consumed: the scratch store is gone
+    assert not list(Path(url.shared_dir).iterdir())  # the server's files were all handed off
+
+
+def test_mixed_with_concurrent_hsgen_generate(tiny_model_dir, sample_chats_path, tmp_path):
+    ids = write_prompts(sample_chats_path, tmp_path / "p.jsonl", 60)
+    gen_ids = write_prompts(sample_chats_path, tmp_path / "gen.jsonl", 40)  # the rest only online
+    # slow enough that hsgen generate is still writing when the trainer starts reading
+    with running_server(
+        tiny_model_dir, LAYERS, tmp_path / "hs", capacity="tokens_per_s=1500,max_seqs=8"
+    ) as url:
+        gen = subprocess.Popen(
+            [
+                sys.executable, "-m", "hsgen.cli", "generate", str(tmp_path / "gen.jsonl"),
+                "--store", str(tmp_path / "store"), "--endpoint", url, "--shared-dir", str(url.shared_dir),
+                "--layer-ids", LAYERS, "--tokenizer", str(tiny_model_dir), "--verifier", str(tiny_model_dir),
+                "--no-progress", "--shard-mb", "0.2", "--commit-interval", "0.2",
+            ],
+            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        watch = ScratchWatcher(tmp_path / "scratch")
+        cmd = train_cmd(
+            url, tmp_path / "p.jsonl", tiny_model_dir, tmp_path, "--epochs", "1", "--delete-consumed"
+        )
+        proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=240)
+        gen_out, gen_err = gen.communicate(timeout=240)
+        peak = watch.stop()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert gen.returncode == 0, gen_err[-3000:]
+    assert sorted(trained_per_epoch(tmp_path / "save")[0]) == sorted(ids)
+    data = last_data_metrics(tmp_path / "save")
+    assert data["samples_failed"] == 0
+    assert data["samples_from_cache"] + data["samples_generated"] >= len(ids)
+    assert data["samples_from_cache"] > 0, "the trainer read nothing hsgen generate had stored"
+    assert data["samples_generated"] > 0, "the trainer fetched nothing itself"
+    store = HiddenStateStore.open(tmp_path / "store")
+    assert sorted(store.sample_ids()) == sorted(gen_ids)  # generate finished its part, once
+    assert store.stats()["duplicates"] == 0
+    assert store.verify() == []
+    assert peak <= BOUND
+
+
+def test_kill_and_resume_trains_every_sample_once(tiny_model_dir, sample_chats_path, tmp_path):
+    ids = write_prompts(sample_chats_path, tmp_path / "p.jsonl", 40)
+    save = tmp_path / "save"
+    with running_server(
+        tiny_model_dir, LAYERS, tmp_path / "hs", capacity="tokens_per_s=6000,max_seqs=4"
+    ) as url:
+        watch = ScratchWatcher(tmp_path / "scratch")
+        cmd = train_cmd(
+            url, tmp_path / "p.jsonl", tiny_model_dir, tmp_path, "--epochs", "2", "--delete-consumed",
+            "--save-every", "3",
+        )  # fmt: skip
+        first = subprocess.Popen(
+            cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        )
+        log = save / "online-consumed-rank0.jsonl"
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and first.poll() is None:
+            steps = len(log.read_text().splitlines()) if log.exists() else 0
+            if any(save.glob("checkpoint-*")) and steps >= 5:
+                break
+            time.sleep(0.05)
+        assert first.poll() is None, "the run ended before it could be killed"
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait()
+        stderr_first = first.stderr.read()
+        first.stderr.close()
+        steps_before = len(log.read_text().splitlines())
+        scratch = HiddenStateStore.open(tmp_path / "scratch")
+        assert scratch.verify() == []  # whatever the killed run left is whole
+        second = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=240)
+        peak = watch.stop()
+    assert second.returncode == 0, second.stderr[-3000:] + stderr_first[-1000:]
+    assert "resumed from" in second.stderr
+    per_epoch = trained_per_epoch(save)
+    assert sorted(per_epoch) == [0, 1]
+    for epoch_ids in per_epoch.values():
+        assert sorted(epoch_ids) == sorted(ids)
+    assert steps_before >= 5
+    assert peak <= BOUND
+    assert last_data_metrics(save)["samples_failed"] == 0

@@ -1,0 +1,350 @@
+"""OnlineSource against the reference server: online, mixed, cached, failures, resume, ranks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hsgen.client import ClientConfig
+from hsgen.generate import GenerateConfig, generate
+from hsgen.inputs import read_inputs
+from hsgen.render import ChatRenderer, RenderConfig
+from hsgen.serve.testing import running_server
+from hsgen.store import HiddenStateStore, StoreHeader
+from spectrain.online import OnlineConfig, OnlineSource, choose_scratch_dir, dir_bytes
+
+LAYERS = [1, 2, 4]
+N_PROMPTS = 24
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    with running_server(tiny_model_dir, LAYERS, tmp_path_factory.mktemp("hs")) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def prompts_file(sample_chats_path, tmp_path_factory) -> Path:
+    lines = Path(sample_chats_path).read_text().splitlines()[:N_PROMPTS]
+    p = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    p.write_text("\n".join(lines) + "\n")
+    return p
+
+
+@pytest.fixture(scope="module")
+def rendered(prompts_file, tiny_model_dir):
+    r = ChatRenderer(RenderConfig(tokenizer_path=str(tiny_model_dir)))
+    return {s.sample_id: r.render(s) for s in read_inputs([prompts_file])}, r.fingerprint
+
+
+def make_config(server, prompts_file, tiny_model_dir, tmp_path, **kw) -> OnlineConfig:
+    base = dict(
+        endpoints=[server],
+        prompts=[str(prompts_file)],
+        store=str(tmp_path / "store"),
+        verifier=str(tiny_model_dir),
+        save_path=str(tmp_path / "save"),
+        layer_ids=LAYERS,
+        scratch_dir=str(tmp_path / "scratch"),
+        shared_dir=str(server.shared_dir),
+        client_options={"max_retries": 0},
+    )
+    base.update(kw)
+    return OnlineConfig(**base)
+
+
+def drive(src: OnlineSource, epoch: int, batch: int = 3, start: int = 0, stop: int | None = None):
+    """Act like the trainer: read a batch, 'step', then report it consumed. Returns samples and peak scratch."""
+    plan = src.plan(epoch)
+    got = {}
+    peak = 0
+    end = len(plan) if stop is None else stop
+    for i in range(start, end, batch):
+        ids = plan[i : min(i + batch, end)]
+        for sid in ids:
+            got[sid] = src.get(sid)
+        if src.scratch_path is not None:
+            peak = max(peak, dir_bytes(src.scratch_path))
+        src.consumed(ids)
+    return plan, got, peak
+
+
+def check_sample(sample, prompt, dtype="float32"):
+    assert sample is not None
+    assert sample.token_ids.tolist() == prompt.token_ids
+    assert sample.loss_mask.tolist() == prompt.loss_mask
+    assert sample.hidden_states.shape == (len(prompt.token_ids), len(LAYERS), 64)
+    assert sample.dtype == dtype
+    assert np.isfinite(sample.hidden_states).all()
+
+
+def prefill(server, tmp_path, rendered, ids) -> HiddenStateStore:
+    prompts, fingerprint = rendered
+    header = StoreHeader(
+        verifier="tiny",
+        layer_ids=tuple(LAYERS),
+        hidden_size=64,
+        dtype="float32",
+        tokenizer_fingerprint=fingerprint,
+    )
+    store = HiddenStateStore.create(tmp_path / "store", header)
+    cfg = GenerateConfig(client=ClientConfig(endpoints=[server], shared_dir=str(server.shared_dir)))
+    summary = asyncio.run(generate(cfg, [prompts[i] for i in ids], store, progress=False))
+    assert summary.stored == len(ids)
+    store.refresh()
+    return store
+
+
+def test_online_delete_consumed_keeps_scratch_bounded(
+    server, prompts_file, tiny_model_dir, tmp_path, rendered
+):
+    bound = 3 << 20
+    cfg = make_config(
+        server, prompts_file, tiny_model_dir, tmp_path, scratch_bytes=bound, delete_consumed=True
+    )
+    src = OnlineSource(cfg)
+    try:
+        for epoch in (0, 1):
+            plan, got, peak = drive(src, epoch)
+            assert sorted(plan) == sorted(rendered[0])
+            assert len(got) == len(plan)
+            for sid, sample in got.items():
+                check_sample(sample, rendered[0][sid])
+            assert peak <= bound
+        stats = src.stats()
+        # deleted after epoch 0 and fetched again; a shard not yet deleted at the boundary is reused
+        assert stats["samples_generated"] + stats["samples_from_scratch"] == 2 * N_PROMPTS
+        assert stats["samples_generated"] > N_PROMPTS
+        assert stats["samples_failed"] == 0 and stats["overshoots"] == 0
+        assert stats["scratch_peak_bytes"] <= bound
+        assert stats["shards_deleted"] > 0
+    finally:
+        src.close()
+    assert not (tmp_path / "scratch").exists()
+    log = [
+        json.loads(x) for x in (tmp_path / "save" / "online-consumed-rank0.jsonl").read_text().splitlines()
+    ]
+    for epoch in (0, 1):
+        ids = [i for rec in log if rec["epoch"] == epoch for i in rec["ids"]]
+        assert sorted(ids) == sorted(rendered[0])
+
+
+def test_consumed_shards_survive_until_consumed(server, prompts_file, tiny_model_dir, tmp_path, rendered):
+    cfg = make_config(server, prompts_file, tiny_model_dir, tmp_path, delete_consumed=True)
+    with OnlineSource(cfg) as src:
+        plan = src.plan(0)
+        for sid in plan[:6]:
+            assert src.get(sid) is not None
+        scratch = HiddenStateStore.open(src.scratch_path)
+        assert all(sid in scratch for sid in plan[:6])  # read, not consumed: still there
+        src.consumed(plan[:6])
+        for sid in plan[6:]:
+            src.get(sid)
+        src.consumed(plan[6:])
+        deadline = 50
+        while deadline and (scratch.refresh() or len(scratch)):
+            import time
+
+            time.sleep(0.1)
+            deadline -= 1
+        assert len(scratch) == 0
+
+
+def test_mixed_reads_cache_and_never_deletes_it(server, prompts_file, tiny_model_dir, tmp_path, rendered):
+    ids = sorted(rendered[0])[::2]
+    store = prefill(server, tmp_path, rendered, ids)
+    shards_before = store.shards()
+    cfg = make_config(server, prompts_file, tiny_model_dir, tmp_path, delete_consumed=True)
+    with OnlineSource(cfg) as src:
+        plan, got, _ = drive(src, 0)
+        for sid, sample in got.items():
+            check_sample(sample, rendered[0][sid])
+        stats = src.stats()
+    assert stats["samples_from_cache"] == len(ids)
+    assert stats["samples_generated"] == N_PROMPTS - len(ids)
+    store.refresh()
+    assert store.shards() == shards_before
+    assert all((tmp_path / "store" / s).exists() for s in shards_before)
+
+
+def test_delete_cached_is_explicit_and_after_consumption(
+    server, prompts_file, tiny_model_dir, tmp_path, rendered
+):
+    ids = sorted(rendered[0])
+    store = prefill(server, tmp_path, rendered, ids)
+    cfg = make_config(server, prompts_file, tiny_model_dir, tmp_path, delete_cached=True)
+    with OnlineSource(cfg) as src:
+        plan = src.plan(0)
+        for sid in plan:
+            assert src.get(sid) is not None
+        store.refresh()
+        assert len(store) == N_PROMPTS  # read but not consumed
+        src.consumed(plan)
+        import time
+
+        for _ in range(50):
+            store.refresh()
+            if len(store) == 0:
+                break
+            time.sleep(0.1)
+        assert len(store) == 0
+        assert src.stats()["samples_generated"] == 0
+
+
+def test_cache_generated_later_epochs_read(server, prompts_file, tiny_model_dir, tmp_path, rendered):
+    cfg = make_config(server, prompts_file, tiny_model_dir, tmp_path, cache_generated=True)
+    with OnlineSource(cfg) as src:
+        drive(src, 0)
+        first = src.stats()
+        _, got, _ = drive(src, 1)
+        second = src.stats()
+    assert first["samples_generated"] == N_PROMPTS and first["samples_from_cache"] == 0
+    assert second["samples_generated"] == N_PROMPTS and second["samples_from_cache"] == N_PROMPTS
+    store = HiddenStateStore.open(tmp_path / "store")
+    assert sorted(store.sample_ids()) == sorted(rendered[0])
+    assert store.verify() == []
+    for sid, sample in got.items():
+        check_sample(sample, rendered[0][sid])
+
+
+def test_failed_samples_are_reported_and_skipped(server, prompts_file, tiny_model_dir, tmp_path, rendered):
+    server.set_faults("token_mismatch=1.0:2")
+    try:
+        cfg = make_config(server, prompts_file, tiny_model_dir, tmp_path, delete_consumed=True)
+        with OnlineSource(cfg) as src:
+            plan, got, _ = drive(src, 0)
+            stats = src.stats()
+            failures_path = src.failures_path
+    finally:
+        server.set_faults(None)
+    failed = [sid for sid, s in got.items() if s is None]
+    assert len(failed) == 2 and stats["samples_failed"] == 2
+    lines = [json.loads(x) for x in failures_path.read_text().splitlines()]
+    assert sorted(rec["sample_id"] for rec in lines) == sorted(failed)
+    assert all("token" in rec["reason"] for rec in lines)
+    assert len(got) == len(plan)
+
+
+def test_resume_refetches_deleted_and_reads_prefetched(
+    server, prompts_file, tiny_model_dir, tmp_path, rendered
+):
+    cfg = make_config(server, prompts_file, tiny_model_dir, tmp_path, delete_consumed=True)
+    src = OnlineSource(cfg)
+    plan, _, _ = drive(src, 0, stop=12)  # consumed 0..11, the window fetched ahead
+    src.close()  # the checkpoint was saved at position 6: steps 6..11 are lost
+    resumed = OnlineSource(cfg)
+    try:
+        _, got, _ = drive(resumed, 0, start=6)
+        stats = resumed.stats()
+    finally:
+        resumed.close()
+    assert sorted(got) == sorted(plan[6:])
+    for sid, sample in got.items():
+        check_sample(sample, rendered[0][sid])
+    assert stats["samples_generated"] + stats["samples_from_scratch"] == len(plan) - 6
+    assert stats["samples_generated"] < len(plan) - 6  # what was prefetched beyond 12 is read, not refetched
+
+
+def test_ranks_fetch_only_their_share(server, prompts_file, tiny_model_dir, tmp_path, rendered):
+    sources = [
+        OnlineSource(
+            make_config(
+                server,
+                prompts_file,
+                tiny_model_dir,
+                tmp_path / f"r{r}",
+                rank=r,
+                world_size=2,
+                delete_consumed=True,
+            )
+        )
+        for r in (0, 1)
+    ]
+    try:
+        plans = []
+        for src in sources:
+            plan, got, _ = drive(src, 0)
+            plans.append(plan)
+            assert all(s is not None for s in got.values())
+            assert src.stats()["samples_generated"] == len(plan)
+    finally:
+        for src in sources:
+            src.close()
+    assert not set(plans[0]) & set(plans[1])
+    assert sorted(plans[0] + plans[1]) == sorted(rendered[0])
+
+
+def test_header_mismatch_is_a_clear_error(server, prompts_file, tiny_model_dir, tmp_path, rendered):
+    header = StoreHeader(verifier="tiny", layer_ids=(1, 2), hidden_size=64, dtype="float32")
+    HiddenStateStore.create(tmp_path / "store", header)
+    cfg = make_config(server, prompts_file, tiny_model_dir, tmp_path)
+    with OnlineSource(cfg) as src:
+        plan = src.plan(0)
+        with pytest.raises(RuntimeError, match=r"layers \[1, 2\]"):
+            src.get(plan[0])
+
+
+def test_choose_scratch_dir_falls_back_when_tmpfs_is_small(tmp_path):
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    small = choose_scratch_dir(str(tmp_path / "save"), 1, 1 << 20, shm=str(shm))
+    assert small.parent == shm and small.name.endswith("rank1")
+    assert choose_scratch_dir(str(tmp_path / "save"), 1, 1 << 20, shm=str(shm)) == small  # stable for resume
+    huge = choose_scratch_dir(str(tmp_path / "save"), 1, 1 << 60, shm=str(shm))
+    assert huge == tmp_path / "save" / "online-scratch-rank1"
+
+
+def test_config_from_train_config(tiny_model_dir, tmp_path):
+    from spectrain.train import TrainConfig
+
+    tc = TrainConfig(
+        verifier=str(tiny_model_dir),
+        save_path=str(tmp_path),
+        online=True,
+        endpoints=["http://x:8000"],
+        prompts="p.jsonl",
+        delete_consumed=True,
+        online_options={"scratch_bytes": 1 << 24, "shared_dir": "/dev/shm/hs"},
+    )
+    cfg = OnlineConfig.from_train_config(tc, rank=1, world_size=2)
+    assert cfg.scratch_bytes == 1 << 24 and cfg.shared_dir == "/dev/shm/hs"
+    assert cfg.rank == 1 and cfg.world_size == 2 and cfg.delete_consumed
+    assert cfg.layer_ids == [1, 4]  # DFlash default for the tiny model's 4 layers
+    tc.online_options = {"scratch_byte": 1}
+    with pytest.raises(ValueError, match="scratch_byte"):
+        OnlineConfig.from_train_config(tc)
+    with pytest.raises(ValueError, match="contradict"):
+        OnlineConfig(["http://x"], ["p"], "s", "v", delete_consumed=True, cache_generated=True).validate()
+
+
+def test_fatal_client_error_stops_with_a_clear_message(tiny_model_dir, prompts_file, tmp_path):
+    with running_server(tiny_model_dir, LAYERS, tmp_path / "hs", api_key="secret") as url:
+        cfg = make_config(url, prompts_file, tiny_model_dir, tmp_path, api_key="wrong")
+        with OnlineSource(cfg) as src, pytest.raises(RuntimeError, match="unauthorized"):
+            _ = src.header  # the probe fetch is refused: every other request would be too
+
+
+def test_validation_source_fetches_its_split_and_cleans_up(
+    server, prompts_file, tiny_model_dir, tmp_path, rendered
+):
+    cfg = make_config(
+        server, prompts_file, tiny_model_dir, tmp_path, validation_fraction=0.3, delete_consumed=True
+    )
+    with OnlineSource(cfg) as src:
+        val = src.validation_source()
+        assert val is not None
+        try:
+            plan = val.plan(0)
+            assert plan and set(plan) == set(src.validation_ids)
+            assert not set(plan) & set(src.plan(0))
+            for sid in plan:
+                check_sample(val.get(sid), rendered[0][sid])
+            scratch = val.scratch_path
+            assert scratch is not None and scratch.exists()
+        finally:
+            val.close()
+        assert not scratch.exists()
