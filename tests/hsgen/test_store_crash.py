@@ -97,9 +97,16 @@ def test_random_kill_9_then_verify_and_resume(tmp_path, codec):
     for round_ in range(6):
         proc = spawn(path, "w0" if round_ % 2 else "-", 0, total, codec=codec)
         assert proc.stdout.readline().strip() == "READY"
+        seen = ""
+        if round_ % 3 == 2:  # some kills land after a commit however slow the codec or the machine
+            while not seen.startswith(("DURABLE", "DONE")):
+                seen = proc.stdout.readline()
+                if not seen:
+                    break
         time.sleep(rng.uniform(0.0, 0.3))
         proc.send_signal(signal.SIGKILL)
         out, _ = proc.communicate(timeout=60)
+        out = seen + out
         assert proc.returncode in (0, -signal.SIGKILL)
         kills += proc.returncode == -signal.SIGKILL
         durable |= durable_ids(out)
