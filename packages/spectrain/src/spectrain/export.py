@@ -164,6 +164,7 @@ def export_draft(
     weights = vllm_weights(model, state)
     config = model.vllm_config(verifier_name, architectures)
     save_file(weights, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
+    os.chmod(out / WEIGHTS_NAME, 0o644)  # safetensors creates it 0600; a serving user must read it
     tmp = out / (CONFIG_NAME + ".tmp")
     tmp.write_text(json.dumps(config, indent=2, sort_keys=False) + "\n")
     os.replace(tmp, out / CONFIG_NAME)
