@@ -1,0 +1,612 @@
+"""Speculative decoding with greedy verification: the measured acceptance length of a draft.
+
+The verifier is a Hugging Face causal LM run with transformers (any device, float64 on CPU by
+default so that batched verification and token-by-token greedy decoding agree bit for bit in
+practice). One *step* is one verifier forward: the draft proposes up to ``K`` tokens after the
+verifier's last (bonus) token, the verifier scores the bonus token and all proposals at once,
+the longest prefix of proposals equal to the verifier's own argmax is accepted, and the
+verifier's argmax after that prefix becomes the next bonus token. The acceptance length of a
+step is ``accepted proposals + 1`` (the bonus token), so ``tau >= 1`` always; this is the
+definition of the DFlash and EAGLE papers. The first token, from the prefill, is not a step.
+
+Every speculative output is compared with the verifier's own greedy decoding of the same
+prompt: greedy verification must not change the text, and :func:`evaluate` reports (and the
+CLI fails on) any difference.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+DTYPES = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+@runtime_checkable
+class Proposer(Protocol):
+    """What the decoding loop needs from a draft.
+
+    Attributes:
+        layer_ids: verifier layer ids (vLLM numbering: ``k < L`` enters decoder layer ``k``,
+            ``L`` is the last layer's output before the final norm) whose hidden states the
+            draft reads, in the order it expects them.
+        num_speculative_tokens: tokens the draft proposes per step by default (``K``).
+        max_speculative_tokens: most it can propose per step (None: no limit, e.g. an
+            autoregressive chain). Optional attribute; defaults to ``num_speculative_tokens``.
+    """
+
+    layer_ids: tuple[int, ...]
+    num_speculative_tokens: int
+
+    def propose(self, token_ids: Sequence[int], hidden_states: torch.Tensor, num_tokens: int) -> list[int]:
+        """Propose the ``num_tokens`` tokens that follow ``token_ids``.
+
+        Args:
+            token_ids: the accepted sequence (prompt and generated tokens); its last token is
+                the verifier's bonus token, whose hidden states do not exist yet.
+            hidden_states: ``[len(token_ids) - 1, len(layer_ids), H]`` verifier hidden states
+                of every token but the last, at ``layer_ids``.
+            num_tokens: how many tokens to return (``<= max_speculative_tokens``).
+        """
+        ...
+
+
+# --------------------------------------------------------------------------- the verifier
+
+
+class Verifier:
+    """A causal LM with a KV cache that returns greedy next tokens and selected hidden states.
+
+    Not thread-safe. ``reset`` before each new prompt.
+    """
+
+    def __init__(self, model: Any, layer_ids: Sequence[int], eos_token_ids: Iterable[int] = ()):
+        from hsgen.serve.hidden import decoder_layers
+
+        self.model = model
+        self.layer_ids = tuple(int(i) for i in layer_ids)
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.num_hidden_layers = int(cfg.num_hidden_layers)
+        self.vocab_size = int(cfg.vocab_size)
+        layers = decoder_layers(model)
+        bad = [k for k in self.layer_ids if not 0 <= k <= self.num_hidden_layers]
+        if bad:
+            raise ValueError(f"layer ids {bad} are outside 0..{self.num_hidden_layers} for this verifier")
+        self._captured: dict[int, torch.Tensor] = {}
+        self._handles = []
+        for k in sorted(set(self.layer_ids)):
+            if k < self.num_hidden_layers:
+                self._handles.append(layers[k].register_forward_pre_hook(self._pre_hook(k), with_kwargs=True))
+            else:
+                self._handles.append(layers[k - 1].register_forward_hook(self._post_hook(k)))
+        self._cache = None
+        self.forwards = 0
+        params = inspect.signature(model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+
+    def _pre_hook(self, k: int):
+        def hook(module, args, kwargs):
+            self._captured[k] = args[0] if args else kwargs["hidden_states"]
+
+        return hook
+
+    def _post_hook(self, k: int):
+        def hook(module, args, output):
+            self._captured[k] = output[0] if isinstance(output, tuple | list) else output
+
+        return hook
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def close(self) -> None:
+        """Remove the hooks from the model."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def reset(self) -> None:
+        """Forget the cached context (start of a new prompt)."""
+        self._cache = None
+
+    @property
+    def cached_tokens(self) -> int:
+        return 0 if self._cache is None else int(self._cache.get_seq_length())
+
+    @torch.inference_mode()
+    def extend(self, token_ids: Sequence[int]) -> tuple[list[int], torch.Tensor]:
+        """Append ``token_ids`` to the cached context in one forward.
+
+        Returns:
+            The argmax next token after each appended token, and the hidden states of the
+            appended tokens ``[len(token_ids), len(layer_ids), H]`` (float32, on CPU).
+        """
+        from transformers import DynamicCache
+
+        if not token_ids:
+            raise ValueError("extend needs at least one token")
+        if self._cache is None:
+            self._cache = DynamicCache(config=self.model.config)
+        ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
+        self._captured.clear()
+        out = self.model(input_ids=ids, **{self._cache_kwarg: self._cache}, use_cache=True)
+        self.forwards += 1
+        preds = out.logits[0].argmax(dim=-1).tolist()
+        if self.layer_ids:
+            hidden = torch.stack([self._captured[k][0] for k in self.layer_ids], dim=1).float().cpu()
+        else:
+            hidden = torch.zeros((len(token_ids), 0, 0))
+        self._captured.clear()
+        return [int(p) for p in preds], hidden
+
+    def truncate(self, length: int) -> None:
+        """Keep only the first ``length`` cached tokens."""
+        extra = self.cached_tokens - length
+        if extra < 0:
+            raise ValueError(f"cannot truncate a {self.cached_tokens}-token cache to {length}")
+        if extra:
+            self._cache.crop(-extra)
+
+    def greedy(self, prompt_ids: Sequence[int], max_new_tokens: int) -> list[int]:
+        """The verifier's own greedy continuation (stops after an EOS token)."""
+        self.reset()
+        preds, _ = self.extend(prompt_ids)
+        out = [preds[-1]]
+        while len(out) < max_new_tokens and out[-1] not in self.eos_token_ids:
+            preds, _ = self.extend([out[-1]])
+            out.append(preds[-1])
+        return out
+
+
+# --------------------------------------------------------------------------- one prompt
+
+
+@dataclass
+class SpeculativeOutput:
+    """One prompt's speculative decoding.
+
+    Attributes:
+        tokens: generated tokens (the prefill's token first).
+        accepted: per step, draft tokens accepted (the step emitted ``accepted + 1`` tokens).
+            When an accepted proposal is an EOS token, the output ends there: the step emitted
+            ``accepted`` tokens and counts only the proposals up to the EOS as proposed.
+        proposed: per step, draft tokens proposed (and seen, see above).
+        emitted: per step, tokens added to the output.
+    """
+
+    tokens: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+    proposed: list[int] = field(default_factory=list)
+    emitted: list[int] = field(default_factory=list)
+
+
+def speculative_generate(
+    verifier: Verifier,
+    proposer: Proposer,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    num_speculative_tokens: int,
+) -> SpeculativeOutput:
+    """Generate up to ``max_new_tokens`` tokens with draft proposals and greedy verification."""
+    if max_new_tokens < 1:
+        raise ValueError("max_new_tokens must be >= 1")
+    if not prompt_ids:
+        raise ValueError("the prompt is empty")
+    eos = verifier.eos_token_ids
+    verifier.reset()
+    preds, hidden = verifier.extend(prompt_ids)
+    context_hidden = hidden
+    out = SpeculativeOutput(tokens=[preds[-1]])
+    sequence = [*prompt_ids, preds[-1]]
+    while len(out.tokens) < max_new_tokens and out.tokens[-1] not in eos:
+        budget = min(num_speculative_tokens, max_new_tokens - len(out.tokens) - 1)
+        proposals: list[int] = []
+        if budget > 0:
+            proposals = [int(t) for t in proposer.propose(sequence, context_hidden, budget)]
+            if len(proposals) != budget:
+                raise RuntimeError(f"the draft proposed {len(proposals)} tokens, {budget} were asked for")
+            bad = [t for t in proposals if not 0 <= t < verifier.vocab_size]
+            if bad:
+                raise RuntimeError(f"the draft proposed token ids {bad} outside the vocabulary")
+        preds, hidden = verifier.extend([sequence[-1], *proposals])
+        accepted = 0
+        while accepted < len(proposals) and proposals[accepted] == preds[accepted]:
+            accepted += 1
+        new = [*proposals[:accepted], preds[accepted]]
+        verifier.truncate(len(sequence) + accepted)
+        context_hidden = torch.cat([context_hidden, hidden[: accepted + 1]], dim=0)
+        proposed = len(proposals)
+        for i, t in enumerate(new):
+            if t in eos:  # the output ends here: later tokens of the step are never seen
+                new = new[: i + 1]
+                accepted = min(accepted, len(new))
+                proposed = min(proposed, len(new))
+                break
+        out.tokens.extend(new)
+        sequence.extend(new)
+        out.accepted.append(accepted)
+        out.proposed.append(proposed)
+        out.emitted.append(len(new))
+    return out
+
+
+# --------------------------------------------------------------------------- many prompts
+
+
+@dataclass(frozen=True)
+class EvalPrompt:
+    """A tokenized prompt. ``source`` names where it came from (``file:line``) for errors."""
+
+    prompt_id: str
+    token_ids: tuple[int, ...]
+    source: str = ""
+
+
+@dataclass
+class EvalReport:
+    """Aggregate figures of an evaluation (``to_dict`` is the CLI's ``--json`` object).
+
+    Attributes:
+        tau: mean acceptance length: tokens emitted per verification step, bonus included.
+        acceptance_rate: per draft position ``i`` (1-based, list index ``i - 1``), the fraction
+            of steps that proposed at least ``i`` tokens in which the first ``i`` were accepted.
+        conditional_acceptance: per position, P(token ``i`` accepted | tokens ``< i`` accepted).
+        accepted_histogram: index ``a`` counts the steps that accepted exactly ``a`` proposals.
+        exact_match: every speculative output equalled the verifier's greedy output.
+    """
+
+    num_prompts: int = 0
+    steps: int = 0
+    new_tokens: int = 0
+    tau: float = 0.0
+    num_speculative_tokens: int = 0
+    acceptance_rate: list[float] = field(default_factory=list)
+    conditional_acceptance: list[float] = field(default_factory=list)
+    accepted_histogram: list[int] = field(default_factory=list)
+    exact_match: bool = True
+    mismatches: list[dict[str, Any]] = field(default_factory=list)
+    speculative_seconds: float = 0.0
+    greedy_seconds: float = 0.0
+    greedy_forwards: int = 0
+    per_prompt: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def max_tokens(proposer: Proposer) -> int | None:
+    """Most tokens ``proposer`` can draft per step (None: unlimited)."""
+    return getattr(proposer, "max_speculative_tokens", proposer.num_speculative_tokens)
+
+
+def summarize(outputs: Sequence[SpeculativeOutput], num_speculative_tokens: int) -> EvalReport:
+    """Fold per-prompt step records into tau, per-position acceptance and the histogram."""
+    K = num_speculative_tokens
+    steps = sum(len(o.accepted) for o in outputs)
+    emitted = sum(sum(o.emitted) for o in outputs)
+    hist = [0] * (K + 1)
+    offered = [0] * (K + 1)  # offered[i]: steps that proposed at least i tokens
+    reached = [0] * (K + 1)  # reached[i]: ... and accepted the first i
+    eligible = [0] * (K + 1)  # eligible[i]: ... and accepted the first i - 1
+    for o in outputs:
+        for a, p in zip(o.accepted, o.proposed, strict=True):
+            hist[a] += 1
+            for i in range(1, p + 1):
+                offered[i] += 1
+                eligible[i] += a >= i - 1
+                reached[i] += a >= i
+    rate = [reached[i] / offered[i] if offered[i] else 0.0 for i in range(1, K + 1)]
+    cond = [reached[i] / eligible[i] if eligible[i] else 0.0 for i in range(1, K + 1)]
+    return EvalReport(
+        num_prompts=len(outputs),
+        steps=steps,
+        new_tokens=emitted,
+        tau=emitted / steps if steps else 0.0,
+        num_speculative_tokens=K,
+        acceptance_rate=rate,
+        conditional_acceptance=cond,
+        accepted_histogram=hist,
+    )
+
+
+def evaluate(
+    verifier: Verifier,
+    proposer: Proposer,
+    prompts: Sequence[EvalPrompt],
+    *,
+    max_new_tokens: int = 64,
+    num_speculative_tokens: int | None = None,
+    check_greedy: bool = True,
+    progress: bool = False,
+) -> EvalReport:
+    """Run speculative decoding on every prompt and compare each output with greedy decoding.
+
+    Args:
+        num_speculative_tokens: ``K``; defaults to ``proposer.num_speculative_tokens``.
+        check_greedy: also decode greedily without the draft and compare (``exact_match``).
+    """
+    K = int(num_speculative_tokens or proposer.num_speculative_tokens)
+    if K < 1:
+        raise ValueError("num_speculative_tokens must be >= 1")
+    limit = max_tokens(proposer)
+    if limit is not None and limit < K:
+        raise ValueError(f"num_speculative_tokens {K} exceeds the draft's limit of {limit}")
+    from tqdm import tqdm
+
+    outputs: list[SpeculativeOutput] = []
+    per_prompt: list[dict[str, Any]] = []
+    mismatches: list[dict[str, Any]] = []
+    spec_s = greedy_s = 0.0
+    greedy_forwards = 0
+    for p in tqdm(prompts, desc="eval", unit="prompt", disable=not progress):
+        t0 = time.perf_counter()
+        o = speculative_generate(verifier, proposer, p.token_ids, max_new_tokens, K)
+        spec_s += time.perf_counter() - t0
+        outputs.append(o)
+        row: dict[str, Any] = {
+            "id": p.prompt_id,
+            "new_tokens": sum(o.emitted),
+            "steps": len(o.accepted),
+            "tau": sum(o.emitted) / len(o.accepted) if o.accepted else None,
+        }
+        if check_greedy:
+            t0 = time.perf_counter()
+            before = verifier.forwards
+            ref = verifier.greedy(p.token_ids, max_new_tokens)
+            greedy_forwards += verifier.forwards - before
+            greedy_s += time.perf_counter() - t0
+            row["exact"] = ref == o.tokens
+            if ref != o.tokens:
+                at = next(
+                    (i for i, (a, b) in enumerate(zip(ref, o.tokens, strict=False)) if a != b),
+                    min(len(ref), len(o.tokens)),
+                )
+                mismatches.append(
+                    {
+                        "id": p.prompt_id,
+                        "source": p.source,
+                        "first_difference": at,
+                        "greedy_len": len(ref),
+                        "spec_len": len(o.tokens),
+                    }
+                )
+                log.error("prompt %s: speculative output differs from greedy at token %d", p.prompt_id, at)
+        per_prompt.append(row)
+    report = summarize(outputs, K)
+    report.exact_match = check_greedy and not mismatches
+    report.mismatches = mismatches
+    report.speculative_seconds = spec_s
+    report.greedy_seconds = greedy_s
+    report.greedy_forwards = greedy_forwards
+    report.per_prompt = per_prompt
+    return report
+
+
+# --------------------------------------------------------------------------- prompts
+
+
+def load_prompts(path: str | Path, tokenizer: Any, *, num_prompts: int | None = None) -> list[EvalPrompt]:
+    """Read evaluation prompts (any format ``hsgen.inputs`` reads) and tokenize them.
+
+    - ``messages``: trailing assistant turns are dropped and the chat template is applied
+      with the generation prompt (the model answers the last user turn).
+    - ``input_ids`` (+ optional ``loss_mask``): the tokens before the first ``loss_mask == 1``
+      (all of them without a mask), so a training-format file with held-out rows works.
+    - ``prompt``/``text``: the raw text, tokenized without a template.
+    """
+    from hsgen.inputs import InputError, read_inputs
+
+    prompts: list[EvalPrompt] = []
+    for sample in read_inputs([path]):
+        if num_prompts is not None and len(prompts) >= num_prompts:
+            break
+        if sample.kind == "messages":
+            messages = [dict(m) for m in sample.messages or ()]
+            while messages and messages[-1].get("role") == "assistant":
+                messages.pop()
+            if not messages:
+                raise InputError(sample.source, "conversation has no turn before the assistant's answer")
+            enc = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+            ids = enc["input_ids"] if hasattr(enc, "keys") else enc
+        elif sample.kind == "tokens":
+            ids = list(sample.input_ids or ())
+            if sample.loss_mask is not None and 1 in sample.loss_mask:
+                ids = ids[: list(sample.loss_mask).index(1)]
+        else:
+            ids = tokenizer.encode(sample.prompt or "", add_special_tokens=False)
+        ids = [int(t) for t in ids]
+        if not ids:
+            raise InputError(sample.source, "the prompt is empty after tokenization")
+        prompts.append(EvalPrompt(sample.sample_id, tuple(ids), sample.source))
+    if not prompts:
+        raise InputError(str(path), "no prompts")
+    return prompts
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_verifier(path: str | Path, layer_ids: Sequence[int], *, dtype: str = "float64", device: str = "cpu"):
+    """Load a local HF causal LM as a :class:`Verifier`; returns ``(verifier, tokenizer)``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"--verifier {path}: not a local Hugging Face model directory (no config.json)"
+        )
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r}: choose one of {sorted(DTYPES)}")
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], local_files_only=True)
+    model.to(device).eval()
+    eos: set[int] = set()
+    for source in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
+        if isinstance(source, int):
+            eos.add(source)
+        elif isinstance(source, list | tuple):
+            eos.update(int(s) for s in source)
+    return Verifier(model, layer_ids, eos), tokenizer
+
+
+# --------------------------------------------------------------------------- exported drafts
+
+
+class DraftProposer:
+    """Adapts a spectrain :class:`~spectrain.models.DraftModel` to :class:`Proposer`."""
+
+    def __init__(self, model: Any, num_speculative_tokens: int, source: str = ""):
+        self.model = model
+        self.layer_ids = tuple(int(i) for i in model.cfg.aux_layer_ids)
+        self.num_speculative_tokens = int(num_speculative_tokens)
+        self.algorithm = model.cfg.algorithm
+        block = getattr(model.cfg, "block_size", None)
+        # a block drafter proposes at most block_size - 1 tokens; a chain can run on (vLLM's
+        # num_speculative_tokens overrides the config's speculative_tokens for Eagle3)
+        self.max_speculative_tokens: int | None = block - 1 if block else None
+        self.source = source
+
+    def propose(self, token_ids: Sequence[int], hidden_states: torch.Tensor, num_tokens: int) -> list[int]:
+        from spectrain.models import DraftContext
+
+        return self.model.propose(DraftContext(hidden_states, list(token_ids)), num_tokens)
+
+
+class DraftLoadError(ValueError):
+    """An exported draft directory that cannot be loaded (names the file and the field)."""
+
+
+def _need(cfg: dict[str, Any], key: str, where: str) -> Any:
+    if cfg.get(key) is None:
+        raise DraftLoadError(f"{where}: missing field {key!r}")
+    return cfg[key]
+
+
+def draft_config_from_export(cfg: dict[str, Any], vocab_size: int, where: str = "config.json"):
+    """Rebuild the training config of an exported draft from its vLLM ``config.json``.
+
+    Returns:
+        ``(DraftConfig, num_speculative_tokens)``.
+    """
+    from spectrain.models import get_config_class
+
+    algorithm = _need(cfg, "speculators_model_type", where)
+    layer = _need(cfg, "transformer_layer_config", where)
+    spec = _need(cfg, "speculators_config", where)
+    try:
+        k = int(spec["proposal_methods"][0]["speculative_tokens"])
+    except (KeyError, IndexError, TypeError, ValueError):
+        raise DraftLoadError(
+            f"{where}: speculators_config.proposal_methods[0].speculative_tokens is missing"
+        ) from None
+    common = {
+        "num_layers": int(_need(layer, "num_hidden_layers", f"{where}: transformer_layer_config")),
+        "num_attention_heads": layer.get("num_attention_heads"),
+        "num_key_value_heads": layer.get("num_key_value_heads"),
+        "head_dim": layer.get("head_dim"),
+        "intermediate_size": layer.get("intermediate_size"),
+    }
+    draft_vocab = cfg.get("draft_vocab_size")
+    if algorithm == "dflash":
+        block = int(cfg.get("block_size") or k + 1)
+        if block != k + 1:
+            raise DraftLoadError(
+                f"{where}: block_size {block} but speculative_tokens {k} (expected block_size - 1)"
+            )
+        fields = {
+            **common,
+            "aux_layer_ids": tuple(_need(cfg, "aux_hidden_state_layer_ids", where)),
+            "block_size": block,
+            "mask_token_id": int(_need(cfg, "mask_token_id", where)),
+            "draft_vocab_size": int(draft_vocab) if draft_vocab and int(draft_vocab) < vocab_size else None,
+        }
+    elif algorithm == "eagle3":
+        fields = {
+            **common,
+            "aux_layer_ids": tuple(_need(cfg, "eagle_aux_hidden_state_layer_ids", where)),
+            "draft_vocab_size": int(draft_vocab) if draft_vocab else None,
+            "ttt_steps": k,
+            "norm_before_residual": bool(cfg.get("norm_before_residual", True)),
+        }
+    else:
+        raise DraftLoadError(f"{where}: speculators_model_type {algorithm!r} is not dflash or eagle3")
+    try:
+        config_class = get_config_class(algorithm)
+        return config_class(**fields), k
+    except (TypeError, ValueError) as e:
+        raise DraftLoadError(f"{where}: {e}") from None
+
+
+def load_exported_draft(
+    draft_dir: str | Path, verifier_path: str | Path, *, device: str = "cpu"
+) -> DraftProposer:
+    """Load a directory written by ``spectrain export`` (the format vLLM serves) for proposing.
+
+    The weights are bf16 as exported; they are computed in float32. The verifier's embeddings
+    and LM head (shared with the draft, not exported) come from ``verifier_path``.
+    """
+    import json
+
+    from safetensors.torch import load_file
+
+    from spectrain.models import build_draft
+    from spectrain.verifier import VerifierHeads
+
+    draft_dir = Path(draft_dir)
+    cfg_path, weights_path = draft_dir / "config.json", draft_dir / "model.safetensors"
+    for p in (cfg_path, weights_path):
+        if not p.is_file():
+            raise DraftLoadError(f"{p}: not found (expected a directory written by `spectrain export`)")
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise DraftLoadError(f"{cfg_path}:{e.lineno}: invalid JSON: {e.msg}") from None
+    heads = VerifierHeads.load(verifier_path, dtype=torch.float32)
+    cfg, k = draft_config_from_export(raw, heads.vocab_size, str(cfg_path))
+    model = build_draft(cfg, heads)
+    weights = load_file(str(weights_path))
+    state = model.state_dict()
+    if cfg.algorithm == "dflash" and "lm_head.weight" in weights and "lm_head.weight" not in state:
+        weights.pop("lm_head.weight")  # the verifier's rows over the draft vocabulary, rebuilt from d2t
+    for name in ("embed_tokens.weight",):
+        if name in weights and name not in state:
+            raise DraftLoadError(
+                f"{weights_path}: {name} differs from the verifier's shared one; not supported"
+            )
+    missing = sorted(set(state) - set(weights))
+    unexpected = sorted(set(weights) - set(state))
+    if missing or unexpected:
+        raise DraftLoadError(f"{weights_path}: missing weights {missing}, unexpected weights {unexpected}")
+    for name, t in weights.items():
+        if tuple(t.shape) != tuple(state[name].shape):
+            raise DraftLoadError(
+                f"{weights_path}: {name} has shape {tuple(t.shape)}, the config implies {tuple(state[name].shape)}"
+            )
+    model.load_state_dict({n: t.to(state[n].dtype) for n, t in weights.items()})
+    model.to(device).eval()
+    heads.to(device)
+    log.info(
+        "draft: %s (%s, K=%d, layers %s) from %s",
+        cfg.algorithm,
+        type(model).__name__,
+        k,
+        cfg.aux_layer_ids,
+        draft_dir,
+    )
+    return DraftProposer(model, k, str(draft_dir))
