@@ -47,10 +47,15 @@ hsgen verify "$WORK/store" --json >"$WORK/verify.json"
 hsgen status "$WORK/store"
 
 echo "[demo] 3/4 spectrain train --speculator-type $ALGORITHM" >&2
+case "$ALGORITHM" in
+    dflash) ALGORITHM_FLAGS=(--block-size 4 --max-anchors 64 --num-layers 1) ;;
+    eagle3) ALGORITHM_FLAGS=(--ttt-steps 3) ;;
+    *) echo "DEMO_ALGORITHM must be dflash or eagle3" >&2; exit 2 ;;
+esac
 spectrain train --store "$WORK/store" --verifier "$MODEL" --verifier-name hsgen/tiny-qwen3 \
-    --speculator-type "$ALGORITHM" --save-path "$WORK/draft" --epochs 2 --total-seq-len 1024 \
-    --block-size 4 --max-anchors 64 --num-layers 1 --draft-vocab-size 512 --lr 3e-3 \
-    --save-every 50 --val-fraction 0.05 --num-workers 0 >"$WORK/train.json"
+    --speculator-type "$ALGORITHM" "${ALGORITHM_FLAGS[@]}" --save-path "$WORK/draft" --epochs 2 \
+    --total-seq-len 1024 --draft-vocab-size 512 --lr 3e-3 --save-every 50 --val-fraction 0.05 \
+    --num-workers 0 >"$WORK/train.json"
 cat "$WORK/train.json"
 
 echo "[demo] 4/4 exported checkpoint (what 'vllm serve' loads):" >&2
