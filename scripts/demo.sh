@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The main job end to end on built-in defaults, on one CPU machine:
 #   reference server (tiny Qwen3-style model) + shipped sample chats
-#   -> hsgen generate -> verified store -> spectrain train (DFlash) -> exported vLLM checkpoint.
+#   -> hsgen generate -> verified store -> spectrain train (DFlash) -> exported vLLM checkpoint
+#   -> spectrain eval (measured acceptance length on held-out chats).
 #
 #   bash scripts/demo.sh [WORKDIR]        (default ./demo; env: DEMO_SAMPLES, DEMO_PORT, DEMO_ALGORITHM)
 #
@@ -58,13 +59,18 @@ spectrain train --store "$WORK/store" --verifier "$MODEL" --verifier-name hsgen/
     --num-workers 0 >"$WORK/train.json"
 cat "$WORK/train.json"
 
-echo "[demo] 4/4 exported checkpoint (what 'vllm serve' loads):" >&2
+echo "[demo] 4/4 spectrain eval: speculative decoding with the exported draft on 16 held-out chats" >&2
 CKPT="$WORK/draft/$(cat "$WORK/draft/latest")"
+tail -n 16 "$CHATS" >"$WORK/heldout.jsonl"   # generate took the first $SAMPLES conversations
+spectrain eval --draft "$CKPT" --verifier "$MODEL" --prompts "$WORK/heldout.jsonl" \
+    --max-new-tokens 32 --json >"$WORK/eval.json"
 ls -l "$CKPT"
-python - "$CKPT" <<'PY'
+python - "$CKPT" "$WORK/eval.json" <<'PY'
 import json, sys
 cfg = json.load(open(f"{sys.argv[1]}/config.json"))
+ev = json.loads(open(sys.argv[2]).read().strip().splitlines()[-1])
 print(json.dumps({"checkpoint": sys.argv[1], "speculators_model_type": cfg["speculators_model_type"],
                   "architectures": cfg["architectures"],
-                  "speculative_tokens": cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"]}))
+                  "speculative_tokens": cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"],
+                  "tau": round(ev["tau"], 3), "exact_match": ev["exact_match"]}))
 PY
