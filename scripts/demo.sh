@@ -40,8 +40,9 @@ sys.exit("server did not become healthy")
 PY
 
 echo "[demo] 2/4 hsgen generate: $SAMPLES sample chats -> $WORK/store" >&2
-hsgen generate "$CHATS" --endpoint "http://127.0.0.1:$PORT" --shared-dir "$SHARED" \
-    --store "$WORK/store" --layer-ids "$LAYERS" --tokenizer "$MODEL" --limit "$SAMPLES" --max-len 1024 \
+head -n "$SAMPLES" "$CHATS" >"$WORK/train.jsonl"
+hsgen generate "$WORK/train.jsonl" --endpoint "http://127.0.0.1:$PORT" --shared-dir "$SHARED" \
+    --store "$WORK/store" --layer-ids "$LAYERS" --tokenizer "$MODEL" --max-len 1024 \
     >"$WORK/generate.json"
 cat "$WORK/generate.json"
 hsgen verify "$WORK/store" --json >"$WORK/verify.json"
@@ -61,7 +62,7 @@ cat "$WORK/train.json"
 
 echo "[demo] 4/4 spectrain eval: speculative decoding with the exported draft on 16 held-out chats" >&2
 CKPT="$WORK/draft/$(cat "$WORK/draft/latest")"
-tail -n 16 "$CHATS" >"$WORK/heldout.jsonl"   # generate took the first $SAMPLES conversations
+tail -n 16 "$CHATS" >"$WORK/heldout.jsonl"   # not among the first $SAMPLES used for training
 spectrain eval --draft "$CKPT" --verifier "$MODEL" --prompts "$WORK/heldout.jsonl" \
     --max-new-tokens 32 --json >"$WORK/eval.json"
 ls -l "$CKPT"

@@ -605,7 +605,7 @@ class Trainer:
                    desc=f"train {cfg.speculator_type}", dynamic_ncols=True)  # fmt: skip
         window = MetricSums()
         win_tokens, win_wait, win_time, win_steps, win_flops = 0, 0.0, 0.0, 0, 0.0
-        last_loss = float("nan")
+        last_loss: float | None = None  # None (JSON null) when this run took no step
         last_saved = -1
         stop = False
         summary: dict[str, Any] = {}
