@@ -72,6 +72,7 @@ def test_cli_train_writes_servable_checkpoints_and_metrics(tiny_store, tiny_mode
     assert [r["step"] for r in train_recs] == [2, 4, 6]
     for r in train_recs:
         assert r["data_wait_s"] >= 0 and r["tokens_per_s"] > 0 and len(r["acc"]) == 3 and r["tau"] >= 1
+        assert 0 <= r["data_wait_fraction"] <= 1
     val = [r for r in records if r["split"] == "validation"]
     assert [r["step"] for r in val] == [3, 6] and val[0]["sequences"] > 0 and len(val[0]["acc"]) == 3
     # re-export with another verifier name

@@ -46,6 +46,7 @@ class Adapter:
     required: tuple[str, ...]
 
     def convert(self, state: dict[str, torch.Tensor], algorithm: str) -> dict[str, torch.Tensor]:
+        """Strip wrapper prefixes, cast, and check names; raise :class:`ExportError` naming the culprit."""
         out: dict[str, torch.Tensor] = {}
         for name, t in state.items():
             clean = name

@@ -722,6 +722,7 @@ class Trainer:
             "tokens_per_s": world_tokens / max(elapsed, 1e-9),
             "data_wait_s": wait / max(steps, 1),
             "step_time_s": elapsed / max(steps, 1),
+            "data_wait_fraction": wait / max(elapsed, 1e-9),
             "flops_per_s": flops / max(elapsed, 1e-9),
         }
         stats = getattr(self.source, "stats", None)

@@ -218,11 +218,12 @@ def train(**params: Any) -> None:
         cfg = build_train_config(params)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
+    from hsgen.store.errors import StoreError
     from spectrain.train import train as run_train
 
     try:
         summary = run_train(cfg)
-    except ValueError as e:
+    except (ValueError, StoreError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(json.dumps(summary, default=str))
 

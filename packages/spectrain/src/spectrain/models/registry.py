@@ -131,6 +131,7 @@ class DraftModel(nn.Module):
         return 0.0
 
     def backend(self, device: torch.device) -> str:
+        """The attention backend used on ``device`` (``auto``: flex on CUDA, sdpa elsewhere)."""
         b = self.cfg.attention_backend
         if b == "auto":
             return "flex" if device.type == "cuda" else "sdpa"
