@@ -199,22 +199,27 @@ class CircuitBreaker:
     opened: int = 0
 
     def state(self, now: float) -> str:
+        """``closed`` (requests flow), ``open`` (cooling down) or ``half_open`` (one probe allowed)."""
         if self.failures < self.threshold:
             return "closed"
         return "open" if now < self.open_until or self.probing else "half_open"
 
     def allows(self, now: float) -> bool:
+        """Whether a request may be sent to this server now."""
         return self.state(now) != "open"
 
     def on_start(self, now: float) -> None:
+        """Record that a request starts; in the half-open state it becomes the probe."""
         if self.state(now) == "half_open":
             self.probing = True
 
     def on_success(self) -> None:
+        """Record a success: the breaker closes."""
         self.failures = 0
         self.probing = False
 
     def on_failure(self, now: float) -> None:
+        """Record a failure; at the threshold the breaker opens (cooldown doubles, at most 16x)."""
         self.failures += 1
         if self.failures >= self.threshold:
             doubling = min(self.failures - self.threshold, 4)
@@ -332,6 +337,7 @@ def read_hidden_states_file(path: str) -> tuple[np.ndarray, np.ndarray, str]:
 
 
 def remove_quietly(*paths: str) -> None:
+    """Delete ``paths``; a missing file is fine and other errors are only logged."""
     for p in paths:
         try:
             os.unlink(p)

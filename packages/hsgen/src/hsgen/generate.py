@@ -136,6 +136,7 @@ class GenerateSummary:
         return EXIT_PARTIAL if self.stored + self.already_done > 0 else EXIT_FAILURE
 
     def to_json(self) -> str:
+        """The summary as one JSON line, ``exit_code`` included."""
         d = asdict(self)
         d["exit_code"] = self.exit_code
         return json.dumps(d, sort_keys=False)

@@ -420,7 +420,7 @@ def generate(
         cfg = GenerateConfig(
             client=client_cfg,
             saturation=SaturationConfig(
-                concurrency=concurrency, max_limit=max(max_concurrency, 8), initial=min(8, max_concurrency)
+                concurrency=concurrency, max_limit=max_concurrency, initial=min(8, max_concurrency)
             ),
             world_size=world_size,
             rank=rank,
@@ -439,6 +439,7 @@ def generate(
     prompts = render_stream(list(inputs), renderer, on_bad_input=on_bad_input)
     show = progress if progress is not None else sys.stderr.isatty()
     summary = asyncio.run(_run_with_signals(run_generate, cfg, prompts, store, show))
+    summary.store = summary.store or str(store_path)
     if summary.fatal:
         log.error("%s", summary.fatal)
     click.echo(summary.to_json())

@@ -150,6 +150,7 @@ class Saturator:
             self._task = asyncio.create_task(self._poll_loop(), name="hsgen-saturate")
 
     async def stop(self) -> None:
+        """Stop polling the servers' metrics (no-op when not polling)."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -194,9 +195,11 @@ class Saturator:
             self._changed.notify_all()
 
     def total_in_flight(self) -> int:
+        """Requests in flight over all servers."""
         return sum(c.in_flight for c in self.controls.values())
 
     def limits(self) -> dict[str, int]:
+        """Current concurrency limit per server URL."""
         return {url: c.slots for url, c in self.controls.items()}
 
     def snapshot(self) -> dict[str, dict[str, object]]:

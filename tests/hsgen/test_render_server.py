@@ -1,0 +1,49 @@
+"""Rendering through a server's /v1/chat/completions/render agrees with local rendering."""
+
+from __future__ import annotations
+
+import json
+
+import aiohttp
+import pytest
+
+from hsgen.inputs import parse_record
+from hsgen.render import ChatRenderer, RenderConfig, RenderError, render_messages_with_server
+from hsgen.serve.testing import running_server
+
+CONV = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "What is 2+2?"},
+    {"role": "assistant", "content": "4."},
+    {"role": "user", "content": "And 3+3?"},
+    {"role": "assistant", "content": "6, obviously."},
+]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, tiny_model_dir):
+    with running_server(
+        tiny_model_dir, [1, 4], tmp_path_factory.mktemp("hs"), served_model_name="tiny"
+    ) as url:
+        yield url
+
+
+async def test_server_render_matches_local(server, tiny_model_dir, sample_chats_path):
+    local = ChatRenderer(RenderConfig(tokenizer_path=str(tiny_model_dir)))
+    convs = [CONV] + [
+        list(parse_record(json.loads(line), f"x:{i}").messages)
+        for i, line in enumerate(sample_chats_path.read_text().splitlines()[:5])
+    ]
+    async with aiohttp.ClientSession() as session:
+        for i, messages in enumerate(convs):
+            ids, mask = await render_messages_with_server(session, server, "tiny", messages)
+            want = local.render(parse_record({"messages": messages}, f"c:{i}"))
+            assert ids == want.token_ids
+            assert mask == want.loss_mask
+            assert 0 < sum(mask) < len(mask)
+
+
+async def test_server_render_error_is_render_error(server):
+    async with aiohttp.ClientSession() as session:
+        with pytest.raises(RenderError, match="answered 404"):
+            await render_messages_with_server(session, server, "no-such-model", CONV)
