@@ -163,13 +163,6 @@ class DFlashDraft(DraftModel):
         self.reset_parameters()
         self.last_flops = 0.0
 
-    def reset_parameters(self, std: float = 0.02) -> None:
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.normal_(m.weight, std=std)
-            elif isinstance(m, RMSNorm):
-                nn.init.ones_(m.weight)
-
     # ------------------------------------------------------------------ vocabulary
 
     def prepare(self, token_counts: torch.Tensor | None) -> None:

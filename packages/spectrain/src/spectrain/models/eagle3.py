@@ -161,13 +161,6 @@ class Eagle3Draft(DraftModel):
         self.prepare(torch.zeros(vocab))
         self.last_flops = 0.0
 
-    def reset_parameters(self, std: float = 0.02) -> None:
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.normal_(m.weight, std=std)
-            elif isinstance(m, RMSNorm):
-                nn.init.ones_(m.weight)
-
     def prepare(self, token_counts: torch.Tensor | None) -> None:
         """Build d2t/t2d from token counts and start ``lm_head`` from the verifier's rows."""
         if token_counts is None:

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
+from spectrain.models.layers import RMSNorm
+
 if TYPE_CHECKING:
     from spectrain.data import Batch
     from spectrain.verifier import VerifierHeads
@@ -111,6 +113,14 @@ class DraftModel(nn.Module):
     def propose(self, context: DraftContext, num_tokens: int | None = None) -> list[int]:
         """Proposed next tokens (verifier vocabulary ids) after ``context.token_ids``."""
         raise NotImplementedError
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """Initialise every trainable linear layer N(0, std) and every RMSNorm to ones."""
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=std)
+            elif isinstance(m, RMSNorm):
+                nn.init.ones_(m.weight)
 
     def prepare(self, token_counts: torch.Tensor | None) -> None:
         """Data-dependent setup before training (e.g. the draft vocabulary from token counts)."""
