@@ -1,20 +1,4 @@
-"""Online and mixed training data: read what a store holds, fetch the rest from vLLM ahead of the trainer.
-
-:class:`OnlineSource` is a :class:`spectrain.data.SampleSource`. Its epoch plan comes from the
-prompt files (stable ids, the same split and shuffle as offline training). For each planned
-sample it reads the offline store when the sample is there (the store may still be filling:
-another ``hsgen generate`` can be writing into it), and otherwise asks the vLLM servers for
-the hidden states through :class:`hsgen.client.HiddenStateClient`, on a background asyncio
-thread, a bounded window ahead of the trainer. Fetched samples are committed to a scratch
-store (``/dev/shm`` when it fits) and read back like cached ones, so the trainer never sees a
-half-written sample.
-
-Scratch space stays under ``scratch_bytes`` with ``delete_consumed``: a generated shard is
-deleted once every sample in it was consumed, i.e. once the optimizer step that used them
-completed. Samples of the user's offline store are never deleted unless ``delete_cached`` is
-set. After a crash, anything deleted but not covered by the last checkpoint is simply fetched
-again on resume (the plan position the trainer resumes from is the first ``get``).
-"""
+"""The online sample source: :class:`OnlineSource` and its private epoch and error types."""
 
 from __future__ import annotations
 
@@ -22,7 +6,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
-import hashlib
 import json
 import logging
 import os
@@ -36,247 +19,11 @@ from typing import Any
 
 from hsgen.store import HiddenStateStore, Sample, StoreError, StoreHeader
 from spectrain.data import epoch_plan, split_of
+from spectrain.online.config import OnlineConfig
+from spectrain.online.metrics import OnlineMetrics
+from spectrain.online.scratch import PER_SAMPLE_OVERHEAD, choose_scratch_dir, dir_bytes, open_scratch_store
 
 log = logging.getLogger(__name__)
-
-SCRATCH_MARKER = ".spectrain-scratch"
-"""File that marks a directory as an online scratch store (safe to wipe on a header change)."""
-
-PER_SAMPLE_OVERHEAD = 4096
-"""Bytes counted per sample on top of its arrays (manifest line, zarr metadata share)."""
-
-
-@dataclass
-class OnlineConfig:
-    """Settings of :class:`OnlineSource`; ``spectrain train --online`` maps its flags onto these.
-
-    Attributes:
-        endpoints: vLLM (or ``hsgen serve``) base URLs, e.g. ``http://localhost:8000``.
-        prompts: dataset files (JSONL, JSON, Parquet) read with :func:`hsgen.inputs.read_inputs`.
-        store: the offline store: samples present there are read, never fetched. It may be
-            empty, missing (pure online) or still being filled by ``hsgen generate``.
-        verifier: local verifier directory: its tokenizer and chat template render the prompts.
-        save_path: the training run's output directory (scratch falls back here, failures file).
-        layer_ids: vLLM layer ids the servers extract; needed only when ``store`` does not
-            exist yet (otherwise the store header says).
-        scratch_dir: where generated samples go; default ``/dev/shm/spectrain-scratch-...``
-            when it has room, else ``<save_path>/online-scratch-rank<r>``.
-        scratch_bytes: bound on scratch bytes (in flight + written + not yet deletable) when
-            ``delete_consumed``; without it, the bound applies to samples not yet consumed.
-        prefetch_samples: most samples fetched or held ahead of the trainer.
-        max_in_flight: most concurrent requests (the client may queue them further).
-        delete_consumed: delete a generated shard once all its samples were consumed.
-        delete_cached: also delete shards of the offline ``store`` once all their samples
-            were consumed by this rank (explicit opt-in: it destroys the user's cache).
-        cache_generated: write generated samples into ``store`` (kept for later epochs and
-            runs) instead of the scratch store.
-        rank: this process's rank; it fetches only its own share of the plan.
-        world_size: number of ranks.
-        seed: shuffle seed of the epoch plan.
-        validation_fraction: share of sample ids held out of the plan (by
-            :func:`spectrain.data.split_of`, as offline).
-        shared_dir: the servers' ``shared_storage_path`` as seen from this machine.
-        split: ``"train"`` or ``"validation"``: which ids the plan holds.
-        max_len: longest prompt in tokens (vLLM needs ``max_model_len - 1``).
-        on_too_long: ``"truncate"`` or ``"skip"`` (a skipped prompt is reported as failed).
-        chat_template: a template file overriding the verifier's.
-        api_key: bearer token for the servers.
-        failures_path: JSONL file of samples that could not be produced
-            (default ``<save_path>/online-failures-rank<r>.jsonl``).
-        client_options: extra :class:`hsgen.client.ClientConfig` fields (timeouts, retries, ...).
-        saturation: :class:`hsgen.saturate.SaturationConfig` fields: requests in flight per
-            server adapt as in ``hsgen generate`` (queue just non-empty); ``{"concurrency": N}`` fixes it.
-        shard_bytes: scratch shard size; default ``min(8 MiB, scratch_bytes / 16)``.
-        flush_interval_s: longest a fetched sample waits in the writer buffer before commit.
-        store_refresh_s: how often the offline store's manifests are re-read (mixed runs).
-    """
-
-    endpoints: list[str]
-    prompts: list[str]
-    store: str
-    verifier: str
-    save_path: str | None = None
-    layer_ids: list[int] | None = None
-    scratch_dir: str | None = None
-    scratch_bytes: int = 8 << 30
-    prefetch_samples: int = 512
-    max_in_flight: int = 64
-    delete_consumed: bool = False
-    delete_cached: bool = False
-    cache_generated: bool = False
-    rank: int = 0
-    world_size: int = 1
-    seed: int = 0
-    validation_fraction: float = 0.0
-    shared_dir: str = "/tmp"
-    split: str = "train"
-    max_len: int | None = None
-    on_too_long: str = "truncate"
-    chat_template: str | None = None
-    api_key: str | None = None
-    failures_path: str | None = None
-    client_options: dict[str, Any] = field(default_factory=dict)
-    saturation: dict[str, Any] = field(default_factory=dict)
-    shard_bytes: int | None = None
-    flush_interval_s: float = 0.05
-    store_refresh_s: float = 0.5
-
-    @classmethod
-    def from_train_config(cls, cfg: Any, rank: int = 0, world_size: int = 1) -> OnlineConfig:
-        """Build from a :class:`spectrain.train.TrainConfig` (``--online`` runs).
-
-        ``cfg.online_options`` (``--online-option KEY=VALUE``) sets any other field of this class.
-        Without a store and without ``layer_ids``, the layers are the draft's ``--target-layer-ids``
-        plus its target layer, else the algorithm's default for the verifier's depth.
-        """
-        extra = dict(getattr(cfg, "online_options", None) or {})
-        names = set(cls.__dataclass_fields__)
-        unknown = sorted(set(extra) - names)
-        if unknown:
-            raise ValueError(f"online_options: unknown option(s) {unknown}; known: {sorted(names)}")
-        prompts = cfg.prompts
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        save_path = cfg.save_path
-        kwargs: dict[str, Any] = {
-            "endpoints": list(cfg.endpoints),
-            "prompts": list(prompts or []),
-            "store": cfg.store or os.path.join(save_path, "online-store"),
-            "verifier": cfg.verifier,
-            "save_path": save_path,
-            "delete_consumed": bool(cfg.delete_consumed),
-            "cache_generated": bool(cfg.cache_generated),
-            "rank": rank,
-            "world_size": world_size,
-            "seed": cfg.seed,
-            "validation_fraction": cfg.val_fraction,
-        }
-        kwargs.update(extra)
-        if not kwargs.get("layer_ids"):
-            kwargs["layer_ids"] = _default_layer_ids(cfg)
-        return cls(**kwargs)
-
-    def validate(self) -> None:
-        """Raise ``ValueError`` naming the option for settings that cannot work."""
-        if not self.endpoints:
-            raise ValueError("--online needs at least one --endpoint URL")
-        if not self.prompts:
-            raise ValueError("--online needs --prompts FILE (the training prompts)")
-        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank {self.rank} is not in 0..{self.world_size - 1}")
-        if self.scratch_bytes < 1 << 20:
-            raise ValueError(f"--scratch-bytes must be at least 1 MiB, got {self.scratch_bytes}")
-        if self.prefetch_samples < 1 or self.max_in_flight < 1:
-            raise ValueError("--prefetch-samples and --max-in-flight must be >= 1")
-        if self.delete_consumed and self.cache_generated:
-            raise ValueError("--delete-consumed and --cache-generated contradict each other: pick one")
-        if self.split not in ("train", "validation"):
-            raise ValueError(f"split must be 'train' or 'validation', got {self.split!r}")
-        if self.cache_generated and not self.store:
-            raise ValueError("--cache-generated needs --store DIR (where generated samples are kept)")
-        if not 0.0 <= self.validation_fraction < 1.0:
-            raise ValueError(f"validation fraction must be in [0, 1), got {self.validation_fraction}")
-
-
-@dataclass
-class OnlineMetrics:
-    """Counters of an online run (all since construction).
-
-    Attributes:
-        samples_from_cache: samples read from the offline store that this epoch did not generate.
-        samples_from_scratch: samples read from the scratch store that this epoch did not
-            generate (kept from an earlier epoch, or left by a run that crashed).
-        samples_generated: samples fetched from the servers and committed.
-        samples_failed: samples that could not be produced (reported in the failures file).
-        samples_consumed: samples whose optimizer step completed.
-        shards_deleted: generated (or, with ``delete_cached``, cached) shards deleted.
-        wait_seconds: time ``get`` blocked for a sample not ready yet.
-        get_seconds: time spent in ``get`` in total (waiting + reading).
-        scratch_bytes: bytes the scratch directory holds now.
-        scratch_peak_bytes: most bytes the scratch directory ever held.
-        scratch_bound_bytes: the configured bound.
-        in_flight: requests in flight now.
-        overshoots: times a sample was fetched past the bound because the trainer waited on it.
-    """
-
-    samples_from_cache: int = 0
-    samples_from_scratch: int = 0
-    samples_generated: int = 0
-    samples_failed: int = 0
-    samples_consumed: int = 0
-    shards_deleted: int = 0
-    wait_seconds: float = 0.0
-    get_seconds: float = 0.0
-    scratch_bytes: int = 0
-    scratch_peak_bytes: int = 0
-    scratch_bound_bytes: int = 0
-    in_flight: int = 0
-    overshoots: int = 0
-
-    def as_dict(self) -> dict[str, float | int]:
-        return dict(self.__dict__)
-
-
-def _default_layer_ids(cfg: Any) -> list[int] | None:
-    """The layers a pure online run asks the servers for (see :meth:`OnlineConfig.from_train_config`)."""
-    from hsgen import protocol
-
-    draft = dict(getattr(cfg, "draft", None) or {})
-    aux = draft.get("aux_layer_ids")
-    try:
-        num_layers = int(json.loads((Path(cfg.verifier) / "config.json").read_text())["num_hidden_layers"])
-    except (OSError, KeyError, ValueError, TypeError):
-        num_layers = None
-    if aux:
-        target = draft.get("target_layer_id", num_layers)
-        return protocol.normalize_layer_ids([*aux, *([target] if target is not None else [])])
-    if num_layers is None:
-        return None
-    if getattr(cfg, "speculator_type", "dflash") == "eagle3":
-        return protocol.default_eagle3_layer_ids(num_layers)
-    return protocol.default_dflash_layer_ids(num_layers)
-
-
-# --------------------------------------------------------------------------- plans
-
-
-def choose_scratch_dir(
-    save_path: str | None, rank: int, needed_bytes: int, shm: str = "/dev/shm", split: str = "train"
-) -> Path:
-    """The default scratch directory: tmpfs when it has ``needed_bytes`` free, else next to the save path.
-
-    The name depends only on the save path, split and rank, so a resumed run finds its scratch again.
-    """
-    key = hashlib.sha1(os.path.abspath(save_path or os.getcwd()).encode()).hexdigest()[:12]
-    suffix = f"rank{rank}" if split == "train" else f"{split}-rank{rank}"
-    shm_dir = Path(shm) / f"spectrain-scratch-{key}-{suffix}"
-    if os.path.isdir(shm) and os.access(shm, os.W_OK):
-        have = shutil.disk_usage(shm).free + (dir_bytes(shm_dir) if shm_dir.exists() else 0)
-        if have >= needed_bytes * 1.1:
-            return shm_dir
-        log.info(
-            "%s has %.2f GB free, %.2f GB needed: scratch goes next to the save path",
-            shm,
-            have / 1e9,
-            needed_bytes / 1e9,
-        )
-    base = Path(save_path) if save_path else Path.cwd()
-    return base / f"online-scratch-{suffix}"
-
-
-def dir_bytes(path: str | os.PathLike[str]) -> int:
-    """Bytes of the regular files under ``path`` (0 when it does not exist)."""
-    total = 0
-    for root, _dirs, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(root, name)).st_size
-            except FileNotFoundError:
-                continue
-    return total
-
-
-# --------------------------------------------------------------------------- the source
 
 
 @dataclass
@@ -473,21 +220,7 @@ class OnlineSource:
         else:
             need = cfg.scratch_bytes if cfg.delete_consumed else self._estimate_total_bytes()
             path = choose_scratch_dir(cfg.save_path, cfg.rank, need, split=cfg.split)
-        if path.exists() and (path / SCRATCH_MARKER).exists():
-            try:
-                scratch = HiddenStateStore.create(path, self._header, exist_ok=True)
-            except StoreError as e:
-                log.warning("scratch %s holds other data (%s): wiping it", path, e)
-                shutil.rmtree(path)
-                scratch = HiddenStateStore.create(path, self._header)
-        elif path.exists() and any(path.iterdir()):
-            raise StoreError(
-                f"scratch directory {path} exists and is not an online scratch store: pick another"
-            )
-        else:
-            scratch = HiddenStateStore.create(path, self._header, exist_ok=True)
-        (path / SCRATCH_MARKER).touch()
-        scratch.gc()
+        scratch = open_scratch_store(path, self._header)
         self._scratch = scratch
         self._scratch_path = path
         self._scratch_writer = scratch.writer(f"online-rank{cfg.rank}-{os.getpid()}", shard_bytes=1 << 62)
@@ -1283,12 +1016,3 @@ class OnlineSource:
 
 class _HeaderProblem(ValueError):
     """Fetched hidden states that do not match the store header (fatal: a configuration error)."""
-
-
-__all__ = [
-    "OnlineConfig",
-    "OnlineMetrics",
-    "OnlineSource",
-    "choose_scratch_dir",
-    "dir_bytes",
-]

@@ -1,0 +1,32 @@
+"""Online and mixed training data: read what a store holds, fetch the rest from vLLM ahead of the trainer.
+
+:class:`OnlineSource` is a :class:`spectrain.data.SampleSource`. Its epoch plan comes from the
+prompt files (stable ids, the same split and shuffle as offline training). For each planned
+sample it reads the offline store when the sample is there (the store may still be filling:
+another ``hsgen generate`` can be writing into it), and otherwise asks the vLLM servers for
+the hidden states through :class:`hsgen.client.HiddenStateClient`, on a background asyncio
+thread, a bounded window ahead of the trainer. Fetched samples are committed to a scratch
+store (``/dev/shm`` when it fits) and read back like cached ones, so the trainer never sees a
+half-written sample.
+
+Scratch space stays under ``scratch_bytes`` with ``delete_consumed``: a generated shard is
+deleted once every sample in it was consumed, i.e. once the optimizer step that used them
+completed. Samples of the user's offline store are never deleted unless ``delete_cached`` is
+set. After a crash, anything deleted but not covered by the last checkpoint is simply fetched
+again on resume (the plan position the trainer resumes from is the first ``get``).
+"""
+
+from spectrain.online.config import OnlineConfig
+from spectrain.online.metrics import OnlineMetrics
+from spectrain.online.scratch import PER_SAMPLE_OVERHEAD, SCRATCH_MARKER, choose_scratch_dir, dir_bytes
+from spectrain.online.source import OnlineSource
+
+__all__ = [
+    "OnlineConfig",
+    "OnlineMetrics",
+    "OnlineSource",
+    "choose_scratch_dir",
+    "dir_bytes",
+    "PER_SAMPLE_OVERHEAD",
+    "SCRATCH_MARKER",
+]
