@@ -128,19 +128,11 @@ class DFlashDraft(DraftModel):
 
     def __init__(self, cfg: DFlashConfig, verifier: VerifierHeads):
         super().__init__(cfg, verifier)
-        info = verifier.info
         if cfg.aux_layer_ids is None:
             raise ValueError("DFlashConfig.aux_layer_ids must be resolved (from the store) before building")
         if cfg.block_size < 2:
             raise ValueError(f"block_size must be >= 2, got {cfg.block_size}")
-        H = verifier.hidden_size
-        self.hidden = H
-        self.heads = cfg.num_attention_heads or info.num_attention_heads
-        self.kv_heads = cfg.num_key_value_heads or info.num_key_value_heads
-        self.head_dim = cfg.head_dim or info.head_dim
-        self.intermediate = cfg.intermediate_size or info.intermediate_size
-        self.eps = info.rms_norm_eps
-        self.theta = info.rope_theta
+        H = self.resolve_decoder_shape()
         self.n_aux = len(cfg.aux_layer_ids)
         self.mask_token_id = cfg.mask_token_id if cfg.mask_token_id is not None else verifier.vocab_size - 1
         if not 0 <= self.mask_token_id < verifier.vocab_size:

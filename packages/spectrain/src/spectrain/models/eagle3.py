@@ -125,7 +125,6 @@ class Eagle3Draft(DraftModel):
 
     def __init__(self, cfg: Eagle3Config, verifier: VerifierHeads):
         super().__init__(cfg, verifier)
-        info = verifier.info
         if cfg.aux_layer_ids is None:
             raise ValueError("Eagle3Config.aux_layer_ids must be resolved (from the store) before building")
         if len(cfg.aux_layer_ids) != 3:
@@ -134,14 +133,7 @@ class Eagle3Draft(DraftModel):
             raise ValueError(f"Eagle3 has one decoder layer (vLLM), got num_layers={cfg.num_layers}")
         if cfg.ttt_steps < 1:
             raise ValueError(f"ttt_steps must be >= 1, got {cfg.ttt_steps}")
-        H = verifier.hidden_size
-        self.hidden = H
-        self.heads = cfg.num_attention_heads or info.num_attention_heads
-        self.kv_heads = cfg.num_key_value_heads or info.num_key_value_heads
-        self.head_dim = cfg.head_dim or info.head_dim
-        self.intermediate = cfg.intermediate_size or info.intermediate_size
-        self.eps = info.rms_norm_eps
-        self.theta = info.rope_theta
+        H = self.resolve_decoder_shape()
         vocab = verifier.vocab_size
         dv = cfg.draft_vocab_size or vocab
         if dv > vocab:

@@ -114,6 +114,18 @@ class DraftModel(nn.Module):
         """Proposed next tokens (verifier vocabulary ids) after ``context.token_ids``."""
         raise NotImplementedError
 
+    def resolve_decoder_shape(self) -> int:
+        """Set the decoder's sizes (config overrides, else the verifier's); returns the hidden size."""
+        cfg, info = self.cfg, self.verifier.info
+        self.hidden = self.verifier.hidden_size
+        self.heads = cfg.num_attention_heads or info.num_attention_heads
+        self.kv_heads = cfg.num_key_value_heads or info.num_key_value_heads
+        self.head_dim = cfg.head_dim or info.head_dim
+        self.intermediate = cfg.intermediate_size or info.intermediate_size
+        self.eps = info.rms_norm_eps
+        self.theta = info.rope_theta
+        return self.hidden
+
     def reset_parameters(self, std: float = 0.02) -> None:
         """Initialise every trainable linear layer N(0, std) and every RMSNorm to ones."""
         for m in self.modules():
