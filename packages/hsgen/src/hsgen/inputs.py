@@ -110,19 +110,12 @@ def parse_record(record: Any, source: str) -> InputSample:
     tools = record.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise InputError(source, "field 'tools' must be a list")
-    if "messages" in record:
-        messages = _openai_messages(record["messages"], source, "messages")
+    if "messages" in record or "conversations" in record:
+        if "messages" in record:
+            messages = _openai_messages(record["messages"], source, "messages")
+        else:
+            messages = _sharegpt_messages(record["conversations"], source)
         content: Any = {"messages": messages, **({"tools": tools} if tools else {})}
-        return InputSample(
-            sample_id or content_id(content),
-            "messages",
-            source,
-            messages=tuple(messages),
-            tools=tuple(tools) if tools else None,
-        )
-    if "conversations" in record:
-        messages = _sharegpt_messages(record["conversations"], source)
-        content = {"messages": messages, **({"tools": tools} if tools else {})}
         return InputSample(
             sample_id or content_id(content),
             "messages",
