@@ -116,9 +116,9 @@ def test_online_delete_consumed_keeps_scratch_bounded(
                 check_sample(sample, rendered[0][sid])
             assert peak <= bound
         stats = src.stats()
-        # deleted after epoch 0 and fetched again; a shard not yet deleted at the boundary is reused
-        assert stats["samples_generated"] + stats["samples_from_scratch"] == 2 * N_PROMPTS
-        assert stats["samples_generated"] > N_PROMPTS
+        # everything epoch 0 consumed is deleted at the boundary and fetched again in epoch 1
+        assert stats["samples_generated"] == 2 * N_PROMPTS
+        assert stats["samples_from_scratch"] == 0
         assert stats["samples_failed"] == 0 and stats["overshoots"] == 0
         assert stats["scratch_peak_bytes"] <= bound
         assert stats["shards_deleted"] > 0
@@ -152,6 +152,46 @@ def test_consumed_shards_survive_until_consumed(server, prompts_file, tiny_model
             time.sleep(0.1)
             deadline -= 1
         assert len(scratch) == 0
+
+
+def test_epoch_boundary_deletes_what_the_last_epoch_consumed(
+    server, prompts_file, tiny_model_dir, tmp_path, rendered
+):
+    cfg = make_config(server, prompts_file, tiny_model_dir, tmp_path, delete_consumed=True)
+    with OnlineSource(cfg) as src:
+        drive(src, 0, batch=4)
+        # no get() of epoch 1 yet: plan(1) alone must have finished epoch 0's deletions, so
+        # that nothing epoch 1 counts on can vanish later and nothing consumed lingers
+        src.plan(1)
+        scratch = HiddenStateStore.open(src.scratch_path)
+        assert len(scratch) == 0 and scratch.shards() == {}
+        plan, got, _ = drive(src, 1, batch=4)
+        assert all(got[sid] is not None for sid in plan)
+        assert src.stats()["samples_generated"] == 2 * N_PROMPTS
+
+
+def test_scratch_shards_stay_near_their_size_when_fetches_land_together(
+    server, prompts_file, tiny_model_dir, tmp_path, rendered
+):
+    from spectrain.online.scratch import PER_SAMPLE_OVERHEAD
+
+    prompts = rendered[0]
+    est = {
+        sid: len(p.token_ids) * (len(LAYERS) * 64 * 4 + 9) + PER_SAMPLE_OVERHEAD for sid, p in prompts.items()
+    }
+    shard_bytes = 2 * int(np.median(list(est.values())))
+    cfg = make_config(server, prompts_file, tiny_model_dir, tmp_path, shard_bytes=shard_bytes)
+    with OnlineSource(cfg) as src:
+        plan = src.plan(0)
+        src.get(plan[0])  # every prompt is requested at once: many fetches finish together
+        for sid in plan:
+            assert src.get(sid) is not None
+        shards = HiddenStateStore.open(src.scratch_path).shards()
+        assert sum(len(ids) for ids in shards.values()) == N_PROMPTS
+        for ids in shards.values():
+            sizes = [est[i] for i in ids]
+            assert sum(sizes) - max(sizes) < shard_bytes, f"a shard of {len(ids)} samples"
+        src.consumed(plan)
 
 
 def test_mixed_reads_cache_and_never_deletes_it(server, prompts_file, tiny_model_dir, tmp_path, rendered):

@@ -49,7 +49,7 @@ class OnlineConfig:
         client_options: extra :class:`hsgen.client.ClientConfig` fields (timeouts, retries, ...).
         saturation: :class:`hsgen.saturate.SaturationConfig` fields: requests in flight per
             server adapt as in ``hsgen generate`` (queue just non-empty); ``{"concurrency": N}`` fixes it.
-        shard_bytes: scratch shard size; default ``min(8 MiB, scratch_bytes / 16)``.
+        shard_bytes: scratch shard size; default ``scratch_bytes / 16`` within [256 KiB, 8 MiB].
         flush_interval_s: longest a fetched sample waits in the writer buffer before commit.
         store_refresh_s: how often the offline store's manifests are re-read (mixed runs).
     """

@@ -106,8 +106,10 @@ class OnlineSource:
         self._failures_file = None
         self._last_refresh = 0.0
         self._store_bad: set[str] = set()
+        # Deletion is per shard, so a shard that holds consumed samples next to unconsumed ones
+        # keeps them all: shards small against the bound keep that overhang small.
         self._scratch_shard_bytes = config.shard_bytes or max(
-            1 << 20, min(8 << 20, config.scratch_bytes // 16)
+            256 << 10, min(8 << 20, config.scratch_bytes // 16)
         )
         self._delete_pending = False
         self._last_consumed = time.monotonic()
@@ -282,6 +284,18 @@ class OnlineSource:
         if epoch not in self._plans:
             self._plans[epoch] = list(self._plan_fn(self.split_ids, epoch))
         ids = self._plans[epoch]
+        with self._lock:
+            leaving = self._epoch if self._epoch is not None and self._epoch.epoch != epoch else None
+        if (
+            leaving is not None
+            and leaving.started
+            and (self.config.delete_consumed or self.config.delete_cached)
+        ):
+            # The trainer asks for epoch e + 1 after its last consumed() of epoch e. Finish epoch e's
+            # deletions now, on the I/O thread (after any job still queued there): run later, they
+            # would be judged against the new plan, and samples the new epoch had counted as ready
+            # could vanish after later ones filled the scratch bound.
+            self._io.submit(self._delete_consumed_shards).result()
         with self._cond:
             if self._epoch is None or self._epoch.epoch != epoch:
                 if self._epoch is not None and self._epoch.started:
@@ -921,24 +935,36 @@ class OnlineSource:
                 "run other extraction settings than the store was built with"
             )
         loop = asyncio.get_running_loop()
-        size = self._bytes_for(int(hs.shape[0]))
-        await loop.run_in_executor(self._io, self._add, sid, fetched)
+        await loop.run_in_executor(self._io, self._add, sid, fetched, self._bytes_for(int(hs.shape[0])))
+
+    def _add(self, sid: str, fetched, size: int) -> None:
+        """Buffer one fetched sample in the writer (I/O thread); commit a shard once the buffer is full."""
+        writer = self._main_writer if self.config.cache_generated else self._scratch_writer
+        landed = False
+        if self.config.cache_generated:
+            with self._store_lock:
+                self._store.refresh()  # type: ignore[union-attr]
+                landed = sid in self._store  # a concurrent hsgen generate landed it meanwhile
+        if not landed:
+            lock = self._store_lock if self.config.cache_generated else self._scratch_lock
+            with lock:
+                writer.add(sid, fetched.hidden_states, fetched.token_ids, fetched.loss_mask)
         with self._cond:
             self._inflight.pop(sid, None)
             self._buffered[sid] = size
             if self._buffered_since is None:
                 self._buffered_since = time.monotonic()
-
-    def _add(self, sid: str, fetched) -> None:
-        writer = self._main_writer if self.config.cache_generated else self._scratch_writer
-        if self.config.cache_generated:
-            with self._store_lock:
-                self._store.refresh()  # type: ignore[union-attr]
-                if sid in self._store:  # a concurrent hsgen generate landed it meanwhile
-                    return
-        lock = self._store_lock if self.config.cache_generated else self._scratch_lock
-        with lock:
-            writer.add(sid, fetched.hidden_states, fetched.token_ids, fetched.loss_mask)
+            full = sum(self._buffered.values()) >= self._scratch_shard_bytes
+        # Commit here, in the same I/O job: many fetches finishing together queue their adds
+        # ahead of any flush job, which would then seal them all as one oversized shard.
+        if full:
+            try:
+                self._flush_sync()
+            except Exception as e:  # as a failing flush in the fetch loop: the store is unusable
+                log.exception("committing a scratch shard failed")
+                with self._cond:
+                    self._fatal = e
+                    self._cond.notify_all()
 
     def _should_flush(self) -> bool:
         with self._lock:
