@@ -43,6 +43,9 @@ def main() -> None:
     ap.add_argument(
         "--loader-prefetch", type=int, default=32, help="spectrain train --prefetch: samples read ahead"
     )
+    ap.add_argument(
+        "--shard-kb", type=int, default=0, help="scratch shard size, KiB (0: the default, bound/16)"
+    )
     args = ap.parse_args()
     if args.quick:
         args.prompts = min(args.prompts, 400)
@@ -74,6 +77,7 @@ def main() -> None:
                 endpoints=[url], prompts=[str(tmp / "p.jsonl")], store=str(tmp / "store"), verifier=str(model),
                 save_path=str(tmp / "save"), layer_ids=[1, 2, 4], scratch_dir=str(tmp / "scratch"),
                 scratch_bytes=bound, delete_consumed=True, shared_dir=str(url.shared_dir),
+                shard_bytes=args.shard_kb << 10 or None,
             )  # fmt: skip
             src = OnlineSource(cfg)
             _ = src.header

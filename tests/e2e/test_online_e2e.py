@@ -197,3 +197,44 @@ def test_kill_and_resume_trains_every_sample_once(tiny_model_dir, sample_chats_p
     assert steps_before >= 5
     assert peak <= BOUND
     assert last_data_metrics(save)["samples_failed"] == 0
+
+
+def test_torchrun_ranks_fetch_and_train_only_their_share(tiny_model_dir, sample_chats_path, tmp_path):
+    from spectrain.data import epoch_plan
+
+    ids = write_prompts(sample_chats_path, tmp_path / "p.jsonl", 30)
+    with running_server(tiny_model_dir, LAYERS, tmp_path / "hs") as url:
+        watch = ScratchWatcher(tmp_path / "scratch")
+        args = train_cmd(
+            url, tmp_path / "p.jsonl", tiny_model_dir, tmp_path, "--epochs", "2", "--delete-consumed"
+        )[3:]  # from "train" on
+        at = args.index("--endpoint")  # spelled as in the public tool, which users carry over
+        args[at : at + 2] = ["--vllm-endpoint", f"{url}/v1"]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               "-m", "spectrain.cli", *args]  # fmt: skip
+        proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+        peak = watch.stop()
+        leftover = list(Path(url.shared_dir).iterdir())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    save = tmp_path / "save"
+    for epoch in (0, 1):
+        plans = [epoch_plan(ids, epoch, 0, rank, 2) for rank in (0, 1)]
+        assert not set(plans[0]) & set(plans[1]) and sorted(plans[0] + plans[1]) == sorted(ids)
+        trained = []
+        for rank in (0, 1):
+            recs = [
+                json.loads(x) for x in (save / f"online-consumed-rank{rank}.jsonl").read_text().splitlines()
+            ]
+            got = [i for r in recs if r["epoch"] == epoch for i in r["ids"]]
+            # each rank trains its own plan in order, once; ranks step together, so the rank
+            # whose samples pack into more sequences drops its last ones (as offline)
+            assert got == plans[rank][: len(got)] and len(got) >= len(plans[rank]) - 3
+            trained += got
+        assert len(trained) == len(set(trained))
+    data = last_data_metrics(save)  # rank 0's source
+    assert data["samples_failed"] == 0
+    assert len(plans[0]) <= data["samples_generated"] <= 2 * len(plans[0])  # its share, not the others'
+    assert {p.name for p in (tmp_path / "scratch").iterdir()} <= {"rank0", "rank1"}
+    assert not any((tmp_path / "scratch").iterdir())  # both ranks' scratch stores removed at the end
+    assert 0 < peak <= 2 * BOUND
+    assert not leftover  # every file the server wrote was handed off

@@ -38,7 +38,9 @@ class SampleSource(Protocol):
     Optional extras the loop uses when present: ``worker_safe: bool`` (``get`` may run in
     DataLoader worker processes; the source must pickle), ``lengths(ids) -> list[int]``
     (token counts, for the LR schedule), ``use_plan(epoch, ids)`` (called on resume with the
-    checkpointed plan when it differs from ``plan(epoch)``).
+    checkpointed plan when it differs from ``plan(epoch)``), ``skipped(ids)`` (called at the end
+    of an epoch with the planned samples it left untrained: the tail a rank drops to keep ranks
+    in step).
     """
 
     def plan(self, epoch: int) -> list[str]:

@@ -655,6 +655,7 @@ class Trainer:
                         last_saved = self.global_step
                 if stop:
                     break
+                self._skip_rest(plan)
                 self.epoch += 1
                 self.position = 0
                 if self.val_source is not None and not cfg.val_every:
@@ -673,6 +674,19 @@ class Trainer:
             }
         )
         return summary
+
+    def _skip_rest(self, plan: list[str]) -> None:
+        """Tell the source which samples this epoch leaves untrained (ranks step together, so the
+        rank whose samples pack into more sequences drops its last ones, as does a partial
+        accumulation under DDP)."""
+        rest = plan[self.position :]
+        if not rest:
+            return
+        log.info("epoch %d: the last %d samples of rank %d's plan are not trained (ranks step together)",
+                 self.epoch, len(rest), self.info.rank)  # fmt: skip
+        skipped = getattr(self.source, "skipped", None)
+        if skipped is not None:
+            skipped(rest)
 
     def _limit_reached(self) -> bool:
         cfg = self.cfg

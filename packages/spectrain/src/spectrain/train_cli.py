@@ -190,7 +190,9 @@ def build_train_config(params: dict[str, Any]):
 @click.option(
     "--online", is_flag=True, default=False, help="Generate hidden states from vLLM while training."
 )
-@click.option("--endpoint", multiple=True, help="Online: vLLM base URL, repeatable.")
+@click.option(
+    "--endpoint", "--vllm-endpoint", "endpoint", multiple=True, help="Online: vLLM base URL, repeatable."
+)
 @click.option(
     "--delete-consumed", is_flag=True, default=False, help="Online: delete samples after training on them."
 )

@@ -22,9 +22,10 @@ class OnlineConfig:
         save_path: the training run's output directory (scratch falls back here, failures file).
         layer_ids: vLLM layer ids the servers extract; needed only when ``store`` does not
             exist yet (otherwise the store header says).
-        scratch_dir: where generated samples go; default ``/dev/shm/spectrain-scratch-...``
-            when it has room, else ``<save_path>/online-scratch-rank<r>``.
-        scratch_bytes: bound on scratch bytes (in flight + written + not yet deletable) when
+        scratch_dir: where generated samples go (``<scratch_dir>/rank<r>`` with several ranks);
+            default ``/dev/shm/spectrain-scratch-...`` when it has room, else
+            ``<save_path>/online-scratch-rank<r>``.
+        scratch_bytes: bound on scratch bytes per rank (in flight + written + not yet deletable) when
             ``delete_consumed``; without it, the bound applies to samples not yet consumed.
         prefetch_samples: most samples fetched or held ahead of the trainer.
         max_in_flight: most concurrent requests (the client may queue them further).
@@ -49,7 +50,7 @@ class OnlineConfig:
         client_options: extra :class:`hsgen.client.ClientConfig` fields (timeouts, retries, ...).
         saturation: :class:`hsgen.saturate.SaturationConfig` fields: requests in flight per
             server adapt as in ``hsgen generate`` (queue just non-empty); ``{"concurrency": N}`` fixes it.
-        shard_bytes: scratch shard size; default ``scratch_bytes / 16`` within [256 KiB, 8 MiB].
+        shard_bytes: scratch shard size; default ``scratch_bytes / 8`` within [256 KiB, 8 MiB].
         flush_interval_s: longest a fetched sample waits in the writer buffer before commit.
         store_refresh_s: how often the offline store's manifests are re-read (mixed runs).
     """

@@ -16,6 +16,8 @@ class OnlineMetrics:
         samples_generated: samples fetched from the servers and committed.
         samples_failed: samples that could not be produced (reported in the failures file).
         samples_consumed: samples whose optimizer step completed.
+        samples_skipped: planned samples an epoch left untrained (the tail a rank drops so
+            that ranks step together); deletable like consumed ones.
         shards_deleted: generated (or, with ``delete_cached``, cached) shards deleted.
         wait_seconds: time ``get`` blocked for a sample not ready yet.
         get_seconds: time spent in ``get`` in total (waiting + reading).
@@ -31,6 +33,7 @@ class OnlineMetrics:
     samples_generated: int = 0
     samples_failed: int = 0
     samples_consumed: int = 0
+    samples_skipped: int = 0
     shards_deleted: int = 0
     wait_seconds: float = 0.0
     get_seconds: float = 0.0

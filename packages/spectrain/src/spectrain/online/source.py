@@ -109,7 +109,7 @@ class OnlineSource:
         # Deletion is per shard, so a shard that holds consumed samples next to unconsumed ones
         # keeps them all: shards small against the bound keep that overhang small.
         self._scratch_shard_bytes = config.shard_bytes or max(
-            256 << 10, min(8 << 20, config.scratch_bytes // 16)
+            256 << 10, min(8 << 20, config.scratch_bytes // 8)
         )
         self._delete_pending = False
         self._last_consumed = time.monotonic()
@@ -218,7 +218,10 @@ class OnlineSource:
         assert self._header is not None
         cfg = self.config
         if cfg.scratch_dir:
+            # one store per rank: a rank deletes shards holding none of its planned samples
             path = Path(cfg.scratch_dir)
+            if cfg.world_size > 1:
+                path = path / f"rank{cfg.rank}"
         else:
             need = cfg.scratch_bytes if cfg.delete_consumed else self._estimate_total_bytes()
             path = choose_scratch_dir(cfg.save_path, cfg.rank, need, split=cfg.split)
@@ -339,6 +342,17 @@ class OnlineSource:
             gap = now - self._last_consumed
             self._step_interval = gap if not self._step_interval else 0.8 * self._step_interval + 0.2 * gap
             self._last_consumed = now
+        if self.config.delete_consumed or self.config.delete_cached:
+            self._request_delete()
+        self._wake_loop()
+
+    def skipped(self, sample_ids: Sequence[str]) -> None:
+        """Mark planned samples this epoch leaves untrained: deletable like consumed ones, not logged as trained."""
+        with self._cond:
+            ep = self._epoch
+            if ep is not None:
+                ep.consumed.update(sample_ids)
+            self.metrics.samples_skipped += len(sample_ids)
         if self.config.delete_consumed or self.config.delete_cached:
             self._request_delete()
         self._wake_loop()
@@ -703,7 +717,10 @@ class OnlineSource:
                 await asyncio.sleep(0.01)
             with self._lock:
                 ep = self._epoch
-                order = ep.ids[ep.cursor :] if ep is not None else self.split_ids
+                if ep is not None:
+                    order = ep.ids[ep.cursor :]
+                else:  # not planned yet: this rank's first epoch, so the probe's sample gets trained
+                    order = self._plans.setdefault(0, list(self._plan_fn(self.split_ids, 0)))
             from hsgen.render import RenderError
 
             last: Exception | None = None
