@@ -243,7 +243,7 @@ def hsgen_ingest(url: str, shared: Path, dest: Path, prompts, hidden: int) -> fl
 def bench_ingest(workdir: Path, quick: bool, reps: int = 3) -> dict:
     """Raw copy and hsgen ingest of the same files, interleaved ``reps`` times; medians compared."""
     tokens, layers, hidden = 2048, 4, 1024  # 16 MiB of float16 hidden states per sample
-    n = 48 if quick else 160
+    n = 32 if quick else 160
     shared = Path("/dev/shm") / f"hsgen-ingest-{uuid.uuid4().hex[:8]}"
     server = None
     try:
@@ -278,7 +278,11 @@ def bench_ingest(workdir: Path, quick: bool, reps: int = 3) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="short runs (about a minute or two on 2 cores)")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="short runs (about a minute on 2 cores): capacities 4 and 64, 32 ingest files",
+    )
     ap.add_argument("--capacities", default=None, help="comma-separated concurrent-sequence capacities")
     ap.add_argument("--rate", type=float, default=150.0, help="server capacity in sequences per second")
     ap.add_argument("--prompt-len", type=int, default=16)
@@ -291,7 +295,7 @@ def main() -> None:
     caps = (
         [int(x) for x in args.capacities.split(",")]
         if args.capacities
-        else ([4, 32, 256] if args.quick else [4, 16, 64, 256])
+        else ([4, 64] if args.quick else [4, 16, 64, 256])
     )
     workdir = Path(tempfile.mkdtemp(prefix="hsgen-bench-", dir=args.workdir or "/tmp"))
     out: dict = {}
