@@ -238,3 +238,29 @@ def test_torchrun_ranks_fetch_and_train_only_their_share(tiny_model_dir, sample_
     assert not any((tmp_path / "scratch").iterdir())  # both ranks' scratch stores removed at the end
     assert 0 < peak <= 2 * BOUND
     assert not leftover  # every file the server wrote was handed off
+
+
+def test_pipeline_render_into_online_training_via_stdin(tiny_model_dir, sample_chats_path, tmp_path):
+    from spectrain.data import split_of
+
+    ids = write_prompts(sample_chats_path, tmp_path / "p.jsonl", 30)
+    with running_server(tiny_model_dir, LAYERS, tmp_path / "hs") as url:
+        cmd = train_cmd(url, tmp_path / "p.jsonl", tiny_model_dir, tmp_path, "--epochs", "1")
+        cmd[cmd.index("--prompts") + 1] = "-"
+        cmd[cmd.index("--val-fraction") + 1] = "0.2"  # the validation source shares what stdin gave
+        render = subprocess.Popen(
+            [sys.executable, "-m", "hsgen.cli", "render", str(tmp_path / "p.jsonl"),
+             "--tokenizer", str(tiny_model_dir)],
+            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        proc = subprocess.run(
+            cmd, env=_env(), stdin=render.stdout, capture_output=True, text=True, timeout=240
+        )
+        render.stdout.close()
+        assert render.wait(timeout=60) == 0
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["validation"]["sequences"] > 0
+    train_ids = [i for i in ids if split_of(i, 0.2) == "train"]
+    assert 0 < len(train_ids) < len(ids)
+    assert sorted(trained_per_epoch(tmp_path / "save")[0]) == sorted(train_ids)

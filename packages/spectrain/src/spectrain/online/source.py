@@ -53,6 +53,7 @@ class OnlineSource:
         world_size: int | None = None,
         plan_fn: Callable[[Sequence[str], int], list[str]] | None = None,
         client_factory: Callable[[], Any] | None = None,
+        inputs: dict[str, Any] | None = None,
     ):
         """Read the prompts, open the stores and start the fetch thread.
 
@@ -63,6 +64,8 @@ class OnlineSource:
                 :func:`spectrain.data.epoch_plan` with the config's seed, rank and world size
                 (the offline plan, so a store and its prompts give the same epochs).
             client_factory: builds the async client (``HiddenStateClient`` from the config by default).
+            inputs: the prompts already read, by sample id (the validation source shares the
+                training source's, so ``--prompts -`` reads stdin once); default: read ``config.prompts``.
         """
         if not isinstance(config, OnlineConfig):
             config = OnlineConfig.from_train_config(config, rank or 0, world_size or 1)
@@ -80,7 +83,7 @@ class OnlineSource:
         )
         self._client_factory_arg = client_factory
         self._client_factory = client_factory or self._default_client
-        self._load_prompts()
+        self._load_prompts(inputs)
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
         self._store_lock = threading.RLock()
@@ -133,18 +136,21 @@ class OnlineSource:
 
     # ------------------------------------------------------------------ set-up
 
-    def _load_prompts(self) -> None:
+    def _load_prompts(self, inputs: dict[str, Any] | None) -> None:
         from hsgen.inputs import read_inputs
         from hsgen.render import ChatRenderer, RenderConfig
 
         self._inputs: dict[str, Any] = {}
-        for sample in read_inputs(self.config.prompts, on_bad_input="fail"):
-            if sample.sample_id in self._inputs:
-                log.warning(
-                    "%s: duplicate sample id %r: the first one is used", sample.source, sample.sample_id
-                )
-                continue
-            self._inputs[sample.sample_id] = sample
+        if inputs is not None:
+            self._inputs = inputs
+        else:
+            for sample in read_inputs(self.config.prompts, on_bad_input="fail"):
+                if sample.sample_id in self._inputs:
+                    log.warning(
+                        "%s: duplicate sample id %r: the first one is used", sample.source, sample.sample_id
+                    )
+                    continue
+                self._inputs[sample.sample_id] = sample
         if not self._inputs:
             raise ValueError(f"--prompts {self.config.prompts}: no samples")
         frac = self.config.validation_fraction
@@ -489,7 +495,7 @@ class OnlineSource:
             scratch_dir=None if self.config.scratch_dir is None else self.config.scratch_dir + "-validation",
             failures_path=None,
         )
-        return OnlineSource(cfg, plan_fn=None, client_factory=self._client_factory_arg)
+        return OnlineSource(cfg, plan_fn=None, client_factory=self._client_factory_arg, inputs=self._inputs)
 
     def __enter__(self) -> OnlineSource:
         return self
