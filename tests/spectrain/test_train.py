@@ -143,6 +143,68 @@ def test_kill_mid_epoch_then_resume(tiny_store, tiny_model_dir, tmp_path):
     _same_training_state(_state(Path(straight["checkpoint"])), _state(Path(resumed["checkpoint"])))
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_saves_a_checkpoint_and_exits_128_plus_signal(tiny_store, tiny_model_dir, tmp_path, sig):
+    save = tmp_path / "run"
+    cmd = [sys.executable, "-m", "spectrain.cli", "train", "--store", str(tiny_store), "--verifier",
+           str(tiny_model_dir), "--save-path", str(save), "--total-seq-len", "96", "--block-size", "4",
+           "--max-anchors", "16", "--num-layers", "1", "--epochs", "1000", "--save-every", "0",
+           "--log-every", "1", "--val-fraction", "0.1", "--device", "cpu"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.time() + 120
+        metrics = save / "metrics.jsonl"
+        while time.time() < deadline and proc.poll() is None:
+            if metrics.is_file() and len(metrics.read_text().splitlines()) >= 3:
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, proc.stderr.read()[-2000:]
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + sig, err[-2000:]
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["stopped_by"] == sig.name and summary["step"] >= 3
+    latest = save / (save / "latest").read_text().strip()
+    assert _state(latest)["loop"]["global_step"] == summary["step"]  # saved where it stopped
+    again = subprocess.run([*cmd, "--stop-after-steps", str(summary["step"] + 2)], capture_output=True,
+                           text=True, env=env, timeout=120)  # fmt: skip
+    assert again.returncode == 0, again.stderr[-2000:]
+    resumed = json.loads(again.stdout.strip().splitlines()[-1])
+    assert resumed["step"] == summary["step"] + 2 and "stopped_by" not in resumed
+
+
+def test_sigterm_under_torchrun_stops_every_rank_at_one_step(tiny_store, tiny_model_dir, tmp_path):
+    save = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "spectrain.cli", "train", "--store", str(tiny_store), "--verifier", str(tiny_model_dir),
+           "--save-path", str(save), "--total-seq-len", "96", "--block-size", "4", "--max-anchors", "16",
+           "--num-layers", "1", "--epochs", "1000", "--save-every", "0", "--log-every", "1",
+           "--val-fraction", "0.1", "--device", "cpu"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.time() + 120
+        metrics = save / "metrics.jsonl"
+        while time.time() < deadline and proc.poll() is None:
+            if metrics.is_file() and len(metrics.read_text().splitlines()) >= 3:
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, proc.stderr.read()[-2000:]
+        proc.send_signal(signal.SIGTERM)  # torchrun forwards it to both workers
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    summaries = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+    assert len(summaries) == 1, out  # rank 0 alone prints it
+    assert summaries[0]["stopped_by"] == "SIGTERM", err[-2000:]
+    st = _state(save / (save / "latest").read_text().strip())
+    assert st["loop"]["global_step"] == summaries[0]["step"] >= 3
+    assert st["loop"]["world_size"] == 2 and len(st["loop"]["positions"]) == 2
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

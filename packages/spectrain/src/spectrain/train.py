@@ -22,6 +22,8 @@ import math
 import os
 import random
 import shutil
+import signal
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -276,11 +278,46 @@ def _gather(obj: Any, info: DistInfo) -> list[Any]:
 
 
 def _all_min(value: int, info: DistInfo, device: torch.device) -> int:
+    return _all_min_each([value], info, device)[0]
+
+
+def _all_min_each(values: list[int], info: DistInfo, device: torch.device) -> list[int]:
+    """Element-wise minimum over ranks, in one collective."""
     if not info.enabled:
-        return value
-    t = torch.tensor([value], dtype=torch.int64, device=device)
+        return list(values)
+    t = torch.tensor(values, dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return int(t.item())
+    return [int(x) for x in t.tolist()]
+
+
+class StopSignals:
+    """SIGINT and SIGTERM ask training to stop after the current step and save a checkpoint.
+
+    A second signal of the same kind acts as it would without this (SIGINT raises
+    ``KeyboardInterrupt``, SIGTERM kills). Handlers are installed only from the main thread.
+    """
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signum is None:
+            self.signum = signum
+            log.warning("%s: stopping after this step and saving a checkpoint (send it again to abort)",
+                        signal.Signals(signum).name)  # fmt: skip
+        signal.signal(signum, self._previous[signum])
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
 
 
 def _rng_state() -> dict[str, Any]:
@@ -597,7 +634,15 @@ class Trainer:
         return torch.autocast(self.device.type, enabled=False)
 
     def run(self) -> dict[str, Any]:
-        """Train to the end (or ``max_steps`` / ``stop_after_steps``); returns a summary."""
+        """Train to the end (or ``max_steps`` / ``stop_after_steps``); returns a summary.
+
+        SIGINT or SIGTERM stops every rank after the same step and saves a checkpoint there;
+        the summary then says ``stopped_by``.
+        """
+        with StopSignals() as signals:
+            return self._run(signals)
+
+    def _run(self, signals: StopSignals) -> dict[str, Any]:
         cfg = self.cfg
         from tqdm.auto import tqdm
 
@@ -626,7 +671,16 @@ class Trainer:
                         micro.append(b)
                     wait = time.perf_counter() - t0
                     full = len(micro) == cfg.grad_accum or (not self.info.enabled and len(micro) > 0)
-                    if _all_min(int(full), self.info, self.device) == 0:
+                    # one collective decides for all ranks: a rank out of data ends the epoch, a
+                    # signal on any rank stops every rank at this same step
+                    go_on, calm = _all_min_each(
+                        [int(full), int(signals.signum is None)], self.info, self.device
+                    )
+                    if not calm:
+                        stop = True
+                        summary["stopped_by"] = signal.Signals(signals.signum or signal.SIGTERM).name
+                        break
+                    if go_on == 0:
                         break
                     loss, grad_norm, sums, flops = self._step(micro)
                     step_time = time.perf_counter() - t0

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
 import sys
 from typing import Any
 
@@ -227,7 +229,10 @@ def train(**params: Any) -> None:
         summary = run_train(cfg)
     except (ValueError, StoreError) as e:
         raise click.ClickException(str(e)) from None
-    click.echo(json.dumps(summary, default=str))
+    if os.environ.get("RANK", "0") == "0":  # one summary line under torchrun, not one per rank
+        click.echo(json.dumps(summary, default=str))
+    if summary.get("stopped_by"):  # a checkpoint was saved; 128 + the signal, as a shell reports it
+        sys.exit(128 + int(getattr(signal.Signals, summary["stopped_by"])))
 
 
 @click.command("export", context_settings={"help_option_names": ["-h", "--help"]})
