@@ -494,7 +494,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--quick", action="store_true", help="Smallest size: ~70 s on 2 CPU cores (~100 s the first time).")
+    parser.add_argument(
+        "--quick", action="store_true", help="Smallest size: ~70 s on 2 CPU cores (~100 s the first time)."
+    )
     parser.add_argument(
         "--size", choices=sorted(SIZES), default=None, help="Size (default: gpu with CUDA, else default)."
     )
