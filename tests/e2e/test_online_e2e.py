@@ -261,6 +261,7 @@ def test_pipeline_render_into_online_training_via_stdin(tiny_model_dir, sample_c
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["validation"]["sequences"] > 0
+    assert summary["data"]["samples_failed"] == 0 and summary["data"]["samples_generated"] > 0
     train_ids = [i for i in ids if split_of(i, 0.2) == "train"]
     assert 0 < len(train_ids) < len(ids)
     assert sorted(trained_per_epoch(tmp_path / "save")[0]) == sorted(train_ids)

@@ -727,6 +727,9 @@ class Trainer:
                 "checkpoint": str(self.last_checkpoint),
             }
         )
+        stats = getattr(self.source, "stats", None)
+        if callable(stats):  # online: samples generated, read, failed (see the failures file)
+            summary["data"] = stats()
         return summary
 
     def _skip_rest(self, plan: list[str]) -> None:
