@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -147,8 +148,6 @@ def test_consumed_shards_survive_until_consumed(server, prompts_file, tiny_model
         src.consumed(plan[6:])
         deadline = 50
         while deadline and (scratch.refresh() or len(scratch)):
-            import time
-
             time.sleep(0.1)
             deadline -= 1
         assert len(scratch) == 0
@@ -224,8 +223,6 @@ def test_delete_cached_is_explicit_and_after_consumption(
         store.refresh()
         assert len(store) == N_PROMPTS  # read but not consumed
         src.consumed(plan)
-        import time
-
         for _ in range(50):
             store.refresh()
             if len(store) == 0:
@@ -274,7 +271,11 @@ def test_resume_refetches_deleted_and_reads_prefetched(
 ):
     cfg = make_config(server, prompts_file, tiny_model_dir, tmp_path, delete_consumed=True)
     src = OnlineSource(cfg)
-    plan, _, _ = drive(src, 0, stop=12)  # consumed 0..11, the window fetched ahead
+    plan, _, _ = drive(src, 0, stop=12)  # consumed 0..11
+    deadline = time.monotonic() + 60
+    while src.stats()["samples_generated"] < len(plan) and time.monotonic() < deadline:
+        time.sleep(0.05)  # the trainer can outrun the fetcher: let the window ahead land first
+    assert src.stats()["samples_generated"] == len(plan)
     src.close()  # the checkpoint was saved at position 6: steps 6..11 are lost
     resumed = OnlineSource(cfg)
     try:
