@@ -199,3 +199,30 @@ def test_buffers_are_reused_only_when_released():
         seen.add(b.hidden_states.data_ptr())
         del b
     assert len(seen) <= 2  # released batches give their buffer back
+
+
+def test_estimated_packed_sequences_sample_long_plans_only():
+    import random
+
+    from spectrain.data import LENGTH_SAMPLE, epoch_plan, estimate_packed_sequences
+
+    rng = random.Random(0)
+    ids = [f"s{i:06d}" for i in range(6 * LENGTH_SAMPLE)]
+    length = {i: int(rng.lognormvariate(5.5, 0.8)) for i in ids}  # chats of ~250 tokens, long tail
+    asked: list[int] = []
+
+    def lengths(sub):
+        asked.append(len(sub))
+        return [length[i] for i in sub]
+
+    plan = epoch_plan(ids, 0, seed=1)
+    exact = count_packed_sequences([length[i] for i in plan], 2048)
+    est = estimate_packed_sequences(plan, lengths, 2048, exact=False)
+    assert asked == [LENGTH_SAMPLE]  # only the sample was measured
+    assert abs(est - exact) / exact < 0.03
+    asked.clear()
+    assert estimate_packed_sequences(plan, lengths, 2048) == exact and asked == [len(plan)]
+    short = plan[:100]
+    assert estimate_packed_sequences(short, lengths, 2048, exact=False) == count_packed_sequences(
+        [length[i] for i in short], 2048
+    )

@@ -34,7 +34,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from spectrain.data import TORCH_DTYPES, PackedLoader, SampleSource, StoreSource, count_packed_sequences
+from spectrain.data import (
+    LENGTH_SAMPLE,
+    TORCH_DTYPES,
+    PackedLoader,
+    SampleSource,
+    StoreSource,
+    estimate_packed_sequences,
+)
 from spectrain.data import token_frequencies as count_tokens
 from spectrain.export import export_draft
 from spectrain.models.registry import DraftConfig, DraftModel, build_draft, get_config_class
@@ -569,7 +576,11 @@ class Trainer:
         for e in range(cfg.epochs):
             plan = self.source.plan(e)
             if lengths is not None:
-                seqs = count_packed_sequences(lengths(plan), cfg.total_seq_len)
+                exact = getattr(self.source, "lengths_exact", True)
+                seqs = estimate_packed_sequences(plan, lengths, cfg.total_seq_len, exact=exact)
+                if not exact and len(plan) > LENGTH_SAMPLE and e == 0:
+                    log.info("LR schedule: packed sequences per epoch estimated from %d of %d prompts' rendered "
+                             "lengths", LENGTH_SAMPLE, len(plan))  # fmt: skip
             else:
                 if e == 0:
                     log.warning("source gives no sample lengths; LR schedule assumes one sample per sequence")

@@ -45,6 +45,8 @@ class OnlineSource:
     fetching runs on a private asyncio thread; store writes and deletions on one I/O thread.
     """
 
+    lengths_exact = False  # a prompt's length costs a rendering: the trainer samples long plans
+
     def __init__(
         self,
         config: OnlineConfig | Any,
