@@ -83,7 +83,7 @@ def check_sample(sample, prompt, dtype="float32"):
     assert np.isfinite(sample.hidden_states).all()
 
 
-def prefill(server, tmp_path, rendered, ids) -> HiddenStateStore:
+def prefill(server, tmp_path, rendered, ids, shard_bytes: int = 32 << 20) -> HiddenStateStore:
     prompts, fingerprint = rendered
     header = StoreHeader(
         verifier="tiny",
@@ -93,7 +93,9 @@ def prefill(server, tmp_path, rendered, ids) -> HiddenStateStore:
         tokenizer_fingerprint=fingerprint,
     )
     store = HiddenStateStore.create(tmp_path / "store", header)
-    cfg = GenerateConfig(client=ClientConfig(endpoints=[server], shared_dir=str(server.shared_dir)))
+    cfg = GenerateConfig(
+        client=ClientConfig(endpoints=[server], shared_dir=str(server.shared_dir)), shard_bytes=shard_bytes
+    )
     summary = asyncio.run(generate(cfg, [prompts[i] for i in ids], store, progress=False))
     assert summary.stored == len(ids)
     store.refresh()
@@ -230,6 +232,32 @@ def test_delete_cached_is_explicit_and_after_consumption(
             time.sleep(0.1)
         assert len(store) == 0
         assert src.stats()["samples_generated"] == 0
+
+
+def test_skipped_tail_frees_scratch_but_never_the_cache(
+    server, prompts_file, tiny_model_dir, tmp_path, rendered
+):
+    cached = sorted(rendered[0])[::2]
+    store = prefill(server, tmp_path, rendered, cached, shard_bytes=150 << 10)  # 1-2 samples a shard
+    shards_before = len(store.shards())
+    cfg = make_config(
+        server, prompts_file, tiny_model_dir, tmp_path, delete_consumed=True, delete_cached=True
+    )
+    with OnlineSource(cfg) as src:
+        plan = src.plan(0)
+        for sid in plan:
+            assert src.get(sid) is not None
+        src.consumed(plan[:-6])
+        src.skipped(plan[-6:])  # as the trainer reports a rank's untrained tail
+        src.plan(1)  # waits for epoch 0's deletions
+        scratch = HiddenStateStore.open(src.scratch_path)
+        assert len(scratch) == 0  # every generated sample was consumed or skipped
+        store.refresh()
+        tail = set(plan[-6:])
+        assert set(cached) & tail and set(cached) & tail <= set(store.sample_ids())  # skipped: kept
+        assert all(set(ids) & tail for ids in store.shards().values())  # the rest went when consumed
+        assert len(store.shards()) < shards_before
+        assert src.stats()["samples_skipped"] == 6
 
 
 def test_cache_generated_later_epochs_read(server, prompts_file, tiny_model_dir, tmp_path, rendered):

@@ -35,6 +35,7 @@ class _Epoch:
     start_pos: int = 0
     cursor: int = 0
     consumed: set[str] = field(default_factory=set)
+    skipped: set[str] = field(default_factory=set)  # left untrained this epoch (see skipped())
     failed: dict[str, str] = field(default_factory=dict)
 
 
@@ -355,11 +356,12 @@ class OnlineSource:
         self._wake_loop()
 
     def skipped(self, sample_ids: Sequence[str]) -> None:
-        """Mark planned samples this epoch leaves untrained: deletable like consumed ones, not logged as trained."""
+        """Mark planned samples this epoch leaves untrained: generated ones become deletable like
+        consumed ones; cached ones are not (``delete_cached`` deletes only what was trained)."""
         with self._cond:
             ep = self._epoch
             if ep is not None:
-                ep.consumed.update(sample_ids)
+                ep.skipped.update(sample_ids)
             self.metrics.samples_skipped += len(sample_ids)
         if self.config.delete_consumed or self.config.delete_cached:
             self._request_delete()
@@ -596,8 +598,9 @@ class OnlineSource:
     def _delete_consumed_shards(self, closing: bool = False) -> None:
         """Delete generated shards whose samples were all consumed (or are not in this epoch's plan).
 
-        Samples before the position the epoch started at (a resume) count as consumed.
-        ``closing`` applies it also without ``delete_consumed`` (temporary scratch at the end).
+        Samples before the position the epoch started at (a resume) count as consumed; samples
+        the epoch skips count for generated shards only. ``closing`` applies it also without
+        ``delete_consumed`` (temporary scratch at the end).
         """
         with self._lock:
             ep = self._epoch
@@ -606,13 +609,14 @@ class OnlineSource:
             done = set(ep.consumed)
             if ep.started:
                 done.update(ep.ids[: ep.start_pos])
+            unused = done | ep.skipped
             plan = ep.pos
         deleted: list[str] = []
         if (self.config.delete_consumed or closing) and self._scratch is not None:
             with self._scratch_lock:
                 self._scratch.refresh()
                 for shard, ids in self._scratch.shards().items():
-                    if ids and all(i in done or i not in plan for i in ids):
+                    if ids and all(i in unused or i not in plan for i in ids):
                         self._scratch.delete_shard(shard)
                         deleted.extend(ids)
                         self.metrics.shards_deleted += 1
@@ -825,7 +829,7 @@ class OnlineSource:
     def _is_missing(self, sid: str, ep: _Epoch) -> bool:
         if sid in self._ready or sid in self._inflight or sid in self._buffered or sid in ep.failed:
             return False
-        if sid in ep.consumed:
+        if sid in ep.consumed or sid in ep.skipped:
             return False
         if self._store is not None and sid not in self._store_bad:
             with self._store_lock:
