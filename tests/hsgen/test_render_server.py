@@ -47,3 +47,40 @@ async def test_server_render_error_is_render_error(server):
     async with aiohttp.ClientSession() as session:
         with pytest.raises(RenderError, match="answered 404"):
             await render_messages_with_server(session, server, "no-such-model", CONV)
+
+
+def test_cli_render_with_server_equals_local_rendering(server, tiny_model_dir, sample_chats_path, tmp_path):
+    from click.testing import CliRunner
+
+    from hsgen.cli import main
+
+    lines = sample_chats_path.read_text().splitlines()[:12]
+    lines += [
+        json.dumps({"id": "plain", "prompt": "def add(a, b):\n    return a + b"}),
+        json.dumps({"id": "tok", "input_ids": [5, 6, 7, 8], "loss_mask": [0, 0, 1, 1]}),
+    ]
+    data = tmp_path / "in.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    runner = CliRunner()
+    local = runner.invoke(main, ["render", str(data), "--tokenizer", str(tiny_model_dir), "--max-len", "120"])
+    remote = runner.invoke(main, ["render", str(data), "--server", f"{server}/v1", "--max-len", "120",
+                                  "--concurrency", "4"])  # fmt: skip
+    assert local.exit_code == 0, local.output
+    assert remote.exit_code == 0, remote.output
+    want = [json.loads(x) for x in local.stdout.splitlines() if x.startswith('{"id"')]
+    got = [json.loads(x) for x in remote.stdout.splitlines() if x.startswith('{"id"')]
+    assert len(got) == len(lines) and got == want  # same order, ids, tokens and masks
+    assert any(len(r["input_ids"]) == 120 for r in got)  # --max-len applied the same way
+
+
+def test_cli_render_with_server_refuses_a_local_tokenizer_too(server, tiny_model_dir, tmp_path):
+    from click.testing import CliRunner
+
+    from hsgen.cli import main
+
+    data = tmp_path / "in.jsonl"
+    data.write_text(json.dumps({"prompt": "x"}) + "\n")
+    res = CliRunner().invoke(
+        main, ["render", str(data), "--server", server, "--tokenizer", str(tiny_model_dir)]
+    )
+    assert res.exit_code == 2 and "--server" in res.output

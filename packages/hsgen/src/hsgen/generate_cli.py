@@ -117,34 +117,66 @@ def _make_renderer(tokenizer, chat_template, template_kwargs, max_len, on_too_lo
     show_default=True,
     help="Where to write the JSONL records ('-' = stdout).",
 )
+@click.option(
+    "--server",
+    help="Render with this server instead of --tokenizer: vLLM's /v1/chat/completions/render (its own "
+    "chat template) and /tokenize, e.g. http://localhost:8000. --chat-template does not apply.",
+)
+@click.option(
+    "--model", help="With --server: the model id (default: the server's first GET /v1/models entry)."
+)
+@click.option(
+    "--api-key", envvar="VLLM_API_KEY", help="With --server: bearer token (default: $VLLM_API_KEY)."
+)
+@click.option(
+    "--concurrency", type=click.IntRange(min=1), default=16, show_default=True,
+    help="With --server: render requests in flight.",
+)  # fmt: skip
 def render(
-    inputs, tokenizer, chat_template, template_kwargs, max_len, on_too_long, on_bad_input, log_level, output
-):
+    inputs, tokenizer, chat_template, template_kwargs, max_len, on_too_long, on_bad_input, log_level, output,
+    server, model, api_key, concurrency,
+):  # fmt: skip
     """Render conversations to token ids + loss masks, one JSON object per line.
 
     INPUTS are JSONL, JSON or Parquet files, or '-' for JSONL on stdin, holding OpenAI
     'messages', ShareGPT 'conversations', pre-tokenized 'input_ids' (+ 'loss_mask') or plain
     'prompt' records. Each output line is {"id", "input_ids", "loss_mask"}, which
     'hsgen generate -' reads back: hsgen render data.jsonl --tokenizer DIR | hsgen generate - ...
-    A summary line goes to stderr.
+    With --server the server renders instead of a local tokenizer. A summary line goes to stderr.
     """
     from hsgen.generate import Skipped
     from hsgen.inputs import InputError
     from hsgen.render import RenderError, render_stream
 
     _setup_logging(log_level)
-    renderer = _make_renderer(tokenizer, chat_template, template_kwargs, max_len, on_too_long)
+    if server and (tokenizer or chat_template):
+        raise click.UsageError(
+            "--server renders with the server's tokenizer and template: drop --tokenizer/--chat-template"
+        )
     counts = {"rendered": 0, "tokens": 0, "truncated": 0, "too_long": 0, "bad_input": 0}
     out = sys.stdout if output == "-" else open(output, "w", encoding="utf-8")  # noqa: SIM115
+
+    def emit(item) -> None:
+        if isinstance(item, Skipped):
+            counts[item.reason] += 1
+            return
+        out.write(json.dumps(item.to_json(), separators=(",", ":")) + "\n")
+        counts["rendered"] += 1
+        counts["tokens"] += len(item.token_ids)
+        counts["truncated"] += int(item.truncated)
+
+    fingerprint = ""
     try:
-        for item in render_stream(list(inputs), renderer, on_bad_input=on_bad_input):
-            if isinstance(item, Skipped):
-                counts[item.reason] += 1
-                continue
-            out.write(json.dumps(item.to_json(), separators=(",", ":")) + "\n")
-            counts["rendered"] += 1
-            counts["tokens"] += len(item.token_ids)
-            counts["truncated"] += int(item.truncated)
+        if server:
+            counts["server"] = server  # no local tokenizer, so no fingerprint
+            kwargs = _template_kwargs(template_kwargs)
+            asyncio.run(_render_with_server(list(inputs), server, model, api_key, kwargs, max_len, on_too_long,
+                                            on_bad_input, concurrency, emit))  # fmt: skip
+        else:
+            renderer = _make_renderer(tokenizer, chat_template, template_kwargs, max_len, on_too_long)
+            fingerprint = renderer.fingerprint
+            for item in render_stream(list(inputs), renderer, on_bad_input=on_bad_input):
+                emit(item)
     except (InputError, RenderError) as e:
         raise click.ClickException(str(e)) from None
     except BrokenPipeError:
@@ -155,7 +187,63 @@ def render(
             out.close()
         else:
             out.flush()
-    click.echo(json.dumps({**counts, "tokenizer_fingerprint": renderer.fingerprint}), err=True)
+    click.echo(json.dumps({**counts, "tokenizer_fingerprint": fingerprint}), err=True)
+
+
+async def _render_with_server(
+    inputs, server, model, api_key, template_kwargs, max_len, on_too_long, on_bad_input, concurrency, emit
+) -> None:
+    """Render every record through ``server``, ``concurrency`` at a time, emitting in input order."""
+    import collections
+
+    import aiohttp
+
+    from hsgen.generate import Skipped
+    from hsgen.inputs import InputError, iter_records, parse_record
+    from hsgen.protocol import auth_headers
+    from hsgen.render import RenderError, ServerRenderer, TooLong
+
+    async def one(session, renderer, rec, source):
+        sample_id = None
+        try:
+            if isinstance(rec, InputError):
+                raise rec
+            sample = parse_record(rec, source)
+            sample_id = sample.sample_id
+            return await renderer.render(session, sample)
+        except TooLong as e:
+            return Skipped("too_long", str(e), sample_id, source)
+        except (InputError, RenderError) as e:
+            if on_bad_input == "fail":
+                raise
+            log.warning("skipping bad input: %s", e)
+            return Skipped("bad_input", str(e), sample_id, source)
+
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        base = server.rstrip("/").removesuffix("/v1")
+        if model is None:
+            try:
+                async with session.get(base + "/v1/models", headers=auth_headers(api_key)) as r:
+                    model = (await r.json(content_type=None))["data"][0]["id"]
+            except (aiohttp.ClientError, KeyError, IndexError, TypeError, ValueError) as e:
+                raise click.ClickException(f"{base}/v1/models: no model id ({e}); pass --model") from None
+        renderer = ServerRenderer(base, model, api_key=api_key, template_kwargs=template_kwargs, max_len=max_len,
+                                  on_too_long=on_too_long)  # fmt: skip
+        pending: collections.deque[asyncio.Task] = collections.deque()
+        try:
+            for path in inputs:
+                for source, rec in iter_records(path):
+                    pending.append(asyncio.create_task(one(session, renderer, rec, source)))
+                    while len(pending) >= concurrency:
+                        emit(await pending.popleft())
+            while pending:
+                emit(await pending.popleft())
+        except aiohttp.ClientError as e:
+            raise click.ClickException(f"{base}: {e}") from None
+        finally:
+            for t in pending:
+                t.cancel()
 
 
 @click.command("generate")

@@ -376,12 +376,16 @@ class ChatRenderer:
         return ids, mask
 
     def _limit(self, p: RenderedPrompt) -> RenderedPrompt:
-        limit = self.config.max_len
-        if limit is None or len(p.token_ids) <= limit:
-            return p
-        if self.config.on_too_long == "skip":
-            raise TooLong(f"{p.source}: {len(p.token_ids)} tokens > --max-len {limit}")
-        return RenderedPrompt(p.sample_id, p.token_ids[:limit], p.loss_mask[:limit], True, p.source)
+        return limit_length(p, self.config.max_len, self.config.on_too_long)
+
+
+def limit_length(p: RenderedPrompt, max_len: int | None, on_too_long: str) -> RenderedPrompt:
+    """``p`` within ``max_len`` tokens: truncated (marked), or ``TooLong`` with ``on_too_long="skip"``."""
+    if max_len is None or len(p.token_ids) <= max_len:
+        return p
+    if on_too_long == "skip":
+        raise TooLong(f"{p.source}: {len(p.token_ids)} tokens > --max-len {max_len}")
+    return RenderedPrompt(p.sample_id, p.token_ids[:max_len], p.loss_mask[:max_len], True, p.source)
 
 
 # --------------------------------------------------------------------------- streams
@@ -435,6 +439,7 @@ async def render_messages_with_server(
     *,
     api_key: str | None = None,
     template_kwargs: Mapping[str, Any] | None = None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> tuple[list[int], list[int]]:
     """Render a conversation with a server's ``POST /v1/chat/completions/render``.
 
@@ -455,6 +460,7 @@ async def render_messages_with_server(
             "messages": [dict(m) for m in msgs],
             "add_generation_prompt": add_generation_prompt,
             **({"chat_template_kwargs": dict(template_kwargs)} if template_kwargs else {}),
+            **({"tools": [dict(t) for t in tools]} if tools else {}),
         }
         async with session.post(url, json=body, headers=auth_headers(api_key)) as r:
             data = await r.json(content_type=None)
@@ -483,14 +489,81 @@ async def render_messages_with_server(
     return full, mask
 
 
+class ServerRenderer:
+    """Renders samples with a server instead of a local tokenizer: conversations with
+    ``POST /v1/chat/completions/render`` (the chat template vLLM itself applies), plain prompts
+    with ``POST /tokenize``. For when the verifier's tokenizer is only on the server's machine.
+
+    Args:
+        base_url: the server, e.g. ``http://localhost:8000`` (a trailing ``/v1`` is accepted).
+        model: the model id to name in requests.
+        api_key, template_kwargs, max_len, on_too_long: as for :class:`ChatRenderer`.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        *,
+        api_key: str | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+        max_len: int | None = None,
+        on_too_long: str = "truncate",
+    ):
+        base = base_url.rstrip("/")
+        self.base_url = base[: -len("/v1")] if base.endswith("/v1") else base
+        self.model = model
+        self.api_key = api_key
+        self.template_kwargs = dict(template_kwargs or {})
+        self.max_len = max_len
+        self.on_too_long = on_too_long
+
+    async def render(self, session, sample: InputSample) -> RenderedPrompt:
+        """Like :meth:`ChatRenderer.render`, through the server (``session``: an ``aiohttp.ClientSession``)."""
+        try:
+            if sample.kind == "tokens":
+                ids = list(sample.input_ids or ())
+                mask = list(sample.loss_mask) if sample.loss_mask is not None else [1] * len(ids)
+            elif sample.kind == "prompt":
+                ids = await self._tokenize(session, sample.prompt or "")
+                mask = [1] * len(ids)
+            else:
+                ids, mask = await render_messages_with_server(
+                    session, self.base_url, self.model, sample.messages or (), api_key=self.api_key,
+                    template_kwargs=self.template_kwargs, tools=sample.tools,
+                )  # fmt: skip
+        except RenderError as e:
+            raise RenderError(f"{sample.source}: {e}") from None
+        if not ids:
+            raise RenderError(f"{sample.source}: renders to no tokens")
+        return limit_length(RenderedPrompt(sample.sample_id, ids, mask, source=sample.source), self.max_len,
+                            self.on_too_long)  # fmt: skip
+
+    async def _tokenize(self, session, text: str) -> list[int]:
+        from hsgen.protocol import auth_headers
+
+        url = self.base_url + "/tokenize"
+        body = {"model": self.model, "prompt": text, "add_special_tokens": True}
+        async with session.post(url, json=body, headers=auth_headers(self.api_key)) as r:
+            data = await r.json(content_type=None)
+            if r.status != 200:
+                raise RenderError(f"{url} answered {r.status}: {data}")
+        tokens = data.get("tokens") if isinstance(data, Mapping) else None
+        if not isinstance(tokens, list):
+            raise RenderError(f"{url} returned no tokens")
+        return [int(t) for t in tokens]
+
+
 __all__ = [
     "ChatRenderer",
     "OnTooLong",
     "RenderConfig",
     "RenderError",
     "RenderedPrompt",
+    "ServerRenderer",
     "TooLong",
     "compile_chat_template",
+    "limit_length",
     "load_chat_template",
     "render_messages_with_server",
     "render_stream",
