@@ -143,14 +143,8 @@ def test_kill_mid_epoch_then_resume(tiny_store, tiny_model_dir, tmp_path):
     _same_training_state(_state(Path(straight["checkpoint"])), _state(Path(resumed["checkpoint"])))
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signal_saves_a_checkpoint_and_exits_128_plus_signal(tiny_store, tiny_model_dir, tmp_path, sig):
-    save = tmp_path / "run"
-    cmd = [sys.executable, "-m", "spectrain.cli", "train", "--store", str(tiny_store), "--verifier",
-           str(tiny_model_dir), "--save-path", str(save), "--total-seq-len", "96", "--block-size", "4",
-           "--max-anchors", "16", "--num-layers", "1", "--epochs", "1000", "--save-every", "0",
-           "--log-every", "1", "--val-fraction", "0.1", "--device", "cpu"]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def _signal_after_three_steps(cmd, env, save: Path, sig) -> tuple[subprocess.Popen, str, str]:
+    """Start ``cmd``, send ``sig`` once three steps are logged; the process, its stdout and stderr."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         deadline = time.time() + 120
@@ -164,6 +158,18 @@ def test_signal_saves_a_checkpoint_and_exits_128_plus_signal(tiny_store, tiny_mo
         out, err = proc.communicate(timeout=120)
     finally:
         proc.kill()
+    return proc, out, err
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_saves_a_checkpoint_and_exits_128_plus_signal(tiny_store, tiny_model_dir, tmp_path, sig):
+    save = tmp_path / "run"
+    cmd = [sys.executable, "-m", "spectrain.cli", "train", "--store", str(tiny_store), "--verifier",
+           str(tiny_model_dir), "--save-path", str(save), "--total-seq-len", "96", "--block-size", "4",
+           "--max-anchors", "16", "--num-layers", "1", "--epochs", "1000", "--save-every", "0",
+           "--log-every", "1", "--val-fraction", "0.1", "--device", "cpu"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc, out, err = _signal_after_three_steps(cmd, env, save, sig)
     assert proc.returncode == 128 + sig, err[-2000:]
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["stopped_by"] == sig.name and summary["step"] >= 3
@@ -184,19 +190,9 @@ def test_sigterm_under_torchrun_stops_every_rank_at_one_step(tiny_store, tiny_mo
            "--num-layers", "1", "--epochs", "1000", "--save-every", "0", "--log-every", "1",
            "--val-fraction", "0.1", "--device", "cpu"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        deadline = time.time() + 120
-        metrics = save / "metrics.jsonl"
-        while time.time() < deadline and proc.poll() is None:
-            if metrics.is_file() and len(metrics.read_text().splitlines()) >= 3:
-                break
-            time.sleep(0.05)
-        assert proc.poll() is None, proc.stderr.read()[-2000:]
-        proc.send_signal(signal.SIGTERM)  # torchrun forwards it to both workers
-        out, err = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
+    _, out, err = _signal_after_three_steps(
+        cmd, env, save, signal.SIGTERM
+    )  # torchrun forwards it to both workers
     summaries = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
     assert len(summaries) == 1, out  # rank 0 alone prints it
     assert summaries[0]["stopped_by"] == "SIGTERM", err[-2000:]

@@ -193,34 +193,13 @@ def render(
 async def _render_with_server(
     inputs, server, model, api_key, template_kwargs, max_len, on_too_long, on_bad_input, concurrency, emit
 ) -> None:
-    """Render every record through ``server``, ``concurrency`` at a time, emitting in input order."""
-    import collections
-
+    """Render every record through ``server`` and ``emit`` each result, in input order."""
     import aiohttp
 
-    from hsgen.generate import Skipped
-    from hsgen.inputs import InputError, iter_records, parse_record
     from hsgen.protocol import auth_headers
-    from hsgen.render import RenderError, ServerRenderer, TooLong
+    from hsgen.render import ServerRenderer, render_stream_with_server
 
-    async def one(session, renderer, rec, source):
-        sample_id = None
-        try:
-            if isinstance(rec, InputError):
-                raise rec
-            sample = parse_record(rec, source)
-            sample_id = sample.sample_id
-            return await renderer.render(session, sample)
-        except TooLong as e:
-            return Skipped("too_long", str(e), sample_id, source)
-        except (InputError, RenderError) as e:
-            if on_bad_input == "fail":
-                raise
-            log.warning("skipping bad input: %s", e)
-            return Skipped("bad_input", str(e), sample_id, source)
-
-    timeout = aiohttp.ClientTimeout(total=600)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
         base = server.rstrip("/").removesuffix("/v1")
         if model is None:
             try:
@@ -230,20 +209,12 @@ async def _render_with_server(
                 raise click.ClickException(f"{base}/v1/models: no model id ({e}); pass --model") from None
         renderer = ServerRenderer(base, model, api_key=api_key, template_kwargs=template_kwargs, max_len=max_len,
                                   on_too_long=on_too_long)  # fmt: skip
-        pending: collections.deque[asyncio.Task] = collections.deque()
         try:
-            for path in inputs:
-                for source, rec in iter_records(path):
-                    pending.append(asyncio.create_task(one(session, renderer, rec, source)))
-                    while len(pending) >= concurrency:
-                        emit(await pending.popleft())
-            while pending:
-                emit(await pending.popleft())
+            async for item in render_stream_with_server(inputs, renderer, session, on_bad_input=on_bad_input,
+                                                        concurrency=concurrency):  # fmt: skip
+                emit(item)
         except aiohttp.ClientError as e:
             raise click.ClickException(f"{base}: {e}") from None
-        finally:
-            for t in pending:
-                t.cancel()
 
 
 @click.command("generate")

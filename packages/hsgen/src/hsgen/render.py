@@ -16,6 +16,7 @@ templates fall back to locating the assistant content in the full rendering.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
@@ -404,28 +405,81 @@ def render_stream(
     ``RenderError`` with ``on_bad_input="fail"``, else becomes ``Skipped("bad_input", ...)``;
     a record over ``max_len`` with ``on_too_long="skip"`` becomes ``Skipped("too_long", ...)``.
     """
-    from hsgen.generate import Skipped
-    from hsgen.inputs import InputError, iter_records, parse_record
+    from hsgen.inputs import InputError, iter_records
 
-    if on_bad_input not in ("skip", "fail"):
-        raise ValueError(f"on_bad_input must be 'skip' or 'fail', got {on_bad_input!r}")
+    _check_on_bad_input(on_bad_input)
     for path in paths:
         for source, rec in iter_records(path, stdin=stdin):
-            sample_id = None
+            sample = None
             try:
-                if isinstance(rec, InputError):
-                    raise rec
-                sample = parse_record(rec, source)
-                sample_id = sample.sample_id
+                sample = _parse(rec, source)
                 yield renderer.render(sample)
-            except TooLong as e:
-                log.info("skipping %s", e)
-                yield Skipped("too_long", str(e), sample_id, source)
             except (InputError, RenderError) as e:
-                if on_bad_input == "fail":
-                    raise
-                log.warning("skipping bad input: %s", e)
-                yield Skipped("bad_input", str(e), sample_id, source)
+                yield _skipped(e, sample and sample.sample_id, source, on_bad_input)
+
+
+def _parse(rec, source: str) -> InputSample:
+    """The sample of one record from ``iter_records`` (an ``InputError`` read in its place is raised)."""
+    from hsgen.inputs import InputError, parse_record
+
+    if isinstance(rec, InputError):
+        raise rec
+    return parse_record(rec, source)
+
+
+def _check_on_bad_input(on_bad_input: str) -> None:
+    if on_bad_input not in ("skip", "fail"):
+        raise ValueError(f"on_bad_input must be 'skip' or 'fail', got {on_bad_input!r}")
+
+
+def _skipped(error: Exception, sample_id: str | None, source: str, on_bad_input: str):
+    """The ``Skipped`` record for a sample that failed to read or render (re-raised with ``"fail"``)."""
+    from hsgen.generate import Skipped
+
+    if isinstance(error, TooLong):
+        log.info("skipping %s", error)
+        return Skipped("too_long", str(error), sample_id, source)
+    if on_bad_input == "fail":
+        raise error
+    log.warning("skipping bad input: %s", error)
+    return Skipped("bad_input", str(error), sample_id, source)
+
+
+async def render_stream_with_server(
+    paths: Sequence[str],
+    renderer: ServerRenderer,
+    session,
+    *,
+    on_bad_input: str = "fail",
+    concurrency: int = 16,
+):
+    """:func:`render_stream` through a server: ``concurrency`` requests in flight, results in input order."""
+    import collections
+
+    from hsgen.inputs import InputError, iter_records
+
+    _check_on_bad_input(on_bad_input)
+
+    async def one(rec, source):
+        sample = None
+        try:
+            sample = _parse(rec, source)
+            return await renderer.render(session, sample)
+        except (InputError, RenderError) as e:
+            return _skipped(e, sample and sample.sample_id, source, on_bad_input)
+
+    pending: collections.deque[asyncio.Task] = collections.deque()
+    try:
+        for path in paths:
+            for source, rec in iter_records(path):
+                pending.append(asyncio.create_task(one(rec, source)))
+                while len(pending) >= concurrency:
+                    yield await pending.popleft()
+        while pending:
+            yield await pending.popleft()
+    finally:
+        for t in pending:
+            t.cancel()
 
 
 # --------------------------------------------------------------------------- server rendering
@@ -567,4 +621,5 @@ __all__ = [
     "load_chat_template",
     "render_messages_with_server",
     "render_stream",
+    "render_stream_with_server",
 ]
