@@ -400,9 +400,7 @@ class OnlineSource:
             self._delete_consumed_shards()
         except Exception as e:
             log.exception("deleting consumed shards failed")
-            with self._cond:
-                self._fatal = e
-                self._cond.notify_all()
+            self._set_fatal(e)
 
     def close(self) -> None:
         """Stop fetching, commit nothing more, release the client; remove an empty scratch store."""
@@ -699,9 +697,7 @@ class OnlineSource:
                     await self._sat.stop()
         except Exception as e:
             log.exception("the hidden-state client failed")
-            with self._cond:
-                self._fatal = e
-                self._cond.notify_all()
+            self._set_fatal(e)
 
     async def _loop_until_closed(self, tasks: set[asyncio.Task]) -> None:
         assert self._wake is not None
@@ -711,9 +707,7 @@ class OnlineSource:
                 await self._step(tasks)
             except Exception as e:  # a bug or a fatal setting: surface it in get()
                 log.exception("online fetch loop failed")
-                with self._cond:
-                    self._fatal = e
-                    self._cond.notify_all()
+                self._set_fatal(e)
                 return
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout=self.config.flush_interval_s)
@@ -922,11 +916,10 @@ class OnlineSource:
         except Exception as e:
             from hsgen.client import FatalError
 
-            with self._cond:
+            with self._cond:  # one critical section (the lock is re-entrant): no refetch in between
                 self._inflight.pop(sid, None)
                 if isinstance(e, FatalError):  # no other prompt can succeed either (API key, server setup)
-                    self._fatal = e
-                    self._cond.notify_all()
+                    self._set_fatal(e)
                     return
             self._fail(sid, f"{type(e).__name__}: {e}")
             return
@@ -939,9 +932,7 @@ class OnlineSource:
                 self._inflight.pop(sid, None)
                 self._buffered.pop(sid, None)
             if isinstance(e, _HeaderProblem):
-                with self._cond:
-                    self._fatal = e
-                    self._cond.notify_all()
+                self._set_fatal(e)
                 return
             self._fail(sid, f"store: {type(e).__name__}: {e}")
             return
@@ -991,9 +982,7 @@ class OnlineSource:
                 self._flush_sync()
             except Exception as e:  # as a failing flush in the fetch loop: the store is unusable
                 log.exception("committing a scratch shard failed")
-                with self._cond:
-                    self._fatal = e
-                    self._cond.notify_all()
+                self._set_fatal(e)
 
     def _should_flush(self) -> bool:
         with self._lock:
@@ -1037,6 +1026,12 @@ class OnlineSource:
             self._cond.notify_all()
         if not cache:
             self._update_scratch_usage()
+
+    def _set_fatal(self, error: BaseException) -> None:
+        """Stop the run: every waiting and later ``get`` raises ``error`` (no retry can fix it)."""
+        with self._cond:
+            self._fatal = error
+            self._cond.notify_all()
 
     def _fail(self, sid: str, reason: str) -> None:
         with self._cond:
