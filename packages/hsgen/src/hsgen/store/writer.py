@@ -210,6 +210,12 @@ class ShardWriter:
         self._pending, self._pending_ids, self._pending_bytes = [], set(), 0
         return seq, batch
 
+    def _untake(self, batch: list[PendingSample]) -> None:
+        """Put a batch whose commit failed back at the front of the buffer (its sequence number stays used)."""
+        self._pending[:0] = batch
+        self._pending_ids.update(s.sample_id for s in batch)
+        self._pending_bytes += sum(s.hidden.nbytes for s in batch)
+
     def _commit(self, seq: int, batch: list[PendingSample]) -> list[SampleRecord]:
         """Write ``batch`` as shard ``seq``, then append and fsync its manifest records."""
         name = f"{seq:08d}.zarr"
@@ -253,9 +259,7 @@ class ShardWriter:
         try:
             return future.result()
         except BaseException:
-            self._pending[:0] = batch
-            self._pending_ids.update(s.sample_id for s in batch)
-            self._pending_bytes += sum(s.hidden.nbytes for s in batch)
+            self._untake(batch)
             raise
 
     def _flush_background(self) -> None:
@@ -277,9 +281,7 @@ class ShardWriter:
         try:
             return records + self._commit(seq, batch)
         except BaseException:
-            self._pending[:0] = batch
-            self._pending_ids.update(s.sample_id for s in batch)
-            self._pending_bytes += sum(s.hidden.nbytes for s in batch)
+            self._untake(batch)
             raise
 
     def close(self) -> None:
