@@ -12,7 +12,9 @@ Measured: the fraction of trainer time spent waiting for data (steady state: aft
 separately on stderr), and the peak bytes
 of the scratch directory against its configured bound (polled every 5 ms by a watcher thread).
 
-Last stdout line: ``{"wait_fraction", "scratch_peak_bytes", "scratch_bound_bytes"}``.
+Also measured: milliseconds to render one prompt locally (what the trainer spends per prompt when
+it sizes an online run's LR schedule). Last stdout line: ``{"wait_fraction", "scratch_peak_bytes",
+"scratch_bound_bytes", "render_ms_per_prompt"}``.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ def main() -> None:
         tmp = Path(tmp_name)
         lines = Path(sample_chats_path()).read_text().splitlines()[: args.prompts]
         (tmp / "p.jsonl").write_text("\n".join(lines) + "\n")
+        render_ms = render_ms_per_prompt(tmp / "p.jsonl", model)
         log.info("trainer consumes %.0f tokens/s; server capacity %s; scratch bound %d bytes", consumption, capacity,
                  bound)  # fmt: skip
         with running_server(model, [1, 2, 4], tmp / "hs", capacity=capacity, mode="process") as url:
@@ -134,7 +137,21 @@ def main() -> None:
         "source": stats,
     }
     print(json.dumps(detail), file=sys.stderr)
-    print(json.dumps({"wait_fraction": steady, "scratch_peak_bytes": peak[0], "scratch_bound_bytes": bound}))
+    print(json.dumps({"wait_fraction": steady, "scratch_peak_bytes": peak[0], "scratch_bound_bytes": bound,
+                      "render_ms_per_prompt": render_ms}))  # fmt: skip
+
+
+def render_ms_per_prompt(prompts: Path, model: Path) -> float:
+    """Milliseconds to render one prompt locally (what sizing the LR schedule costs per prompt online)."""
+    from hsgen.inputs import read_inputs
+    from hsgen.render import ChatRenderer, RenderConfig
+
+    renderer = ChatRenderer(RenderConfig(tokenizer_path=str(model)))
+    samples = list(read_inputs([str(prompts)]))
+    t0 = time.perf_counter()
+    for sample in samples:
+        renderer.render(sample)
+    return round((time.perf_counter() - t0) / len(samples) * 1e3, 3)
 
 
 if __name__ == "__main__":
