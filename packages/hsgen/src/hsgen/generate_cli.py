@@ -144,9 +144,8 @@ def render(
     'hsgen generate -' reads back: hsgen render data.jsonl --tokenizer DIR | hsgen generate - ...
     With --server the server renders instead of a local tokenizer. A summary line goes to stderr.
     """
-    from hsgen.generate import Skipped
     from hsgen.inputs import InputError
-    from hsgen.render import RenderError, render_stream
+    from hsgen.render import RenderError, Skipped, render_stream
 
     _setup_logging(log_level)
     if server and (tokenizer or chat_template):
@@ -197,7 +196,7 @@ async def _render_with_server(
     import aiohttp
 
     from hsgen.protocol import auth_headers
-    from hsgen.render import ServerRenderer, render_stream_with_server
+    from hsgen.render_server import ServerRenderer, render_stream_with_server
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
         base = server.rstrip("/").removesuffix("/v1")
@@ -528,7 +527,8 @@ def _open_store(path: Path, layer_ids, fingerprint: str):
 
 
 def _store_factory(path: Path, layer_ids, verifier, fingerprint: str, codec: str, cfg):
-    """Create the store from the first sample's shape (hidden size, dtype)."""
+    """The store at ``path``, created from the first sample's shape (hidden size, dtype)."""
+    from hsgen.store_sink import LazyStore
 
     def create(sample):
         from hsgen.store import HiddenStateStore, StoreHeader
@@ -549,7 +549,7 @@ def _store_factory(path: Path, layer_ids, verifier, fingerprint: str, codec: str
         )
         return HiddenStateStore.create(path, header)
 
-    return create
+    return LazyStore(path, create)
 
 
 def _served_model(url: str, cfg) -> str | None:
