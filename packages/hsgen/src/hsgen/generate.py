@@ -39,7 +39,15 @@ from hsgen.run_report import (
     RunReport,
 )
 from hsgen.saturate import SaturationConfig, Saturator
-from hsgen.store_sink import LazyStore, StoreSink
+from hsgen.store.leases import (
+    HEARTBEAT_S,
+    Lease,
+    LeaseConflict,
+    acquire_lease,
+    read_leases,
+    sweep_dead_leases,
+)
+from hsgen.store_sink import LazyStore, StoreSink, describe_os_error
 
 log = logging.getLogger(__name__)
 
@@ -153,24 +161,10 @@ class _Run:
 
     async def execute(self, prompts) -> GenerateSummary:
         interrupted = False
+        lease = self._prepare()
         try:
-            async with self.client:
-                await self.sat.start()
-                try:
-                    self.sink.start()
-                    try:
-                        await self._dispatch(prompts)
-                    except Exception as e:  # a bad input with --on-bad-input fail, an unreadable file, ...
-                        self.abort(str(e))
-                    interrupted = self.stop.is_set() and self.report.summary.fatal is None
-                    await self._drain()
-                    await self.sink.close()
-                    snapshot = self.sat.snapshot()
-                    self.report.summary.endpoints = {
-                        url: {**stats, **snapshot[url]} for url, stats in self.client.stats().items()
-                    }
-                finally:
-                    await self.sat.stop()  # before the session closes: the metrics poller uses it
+            if self.report.summary.fatal is None:
+                interrupted = await self._pipeline(prompts, lease)
         except (asyncio.CancelledError, KeyboardInterrupt):
             interrupted = True
             for t in list(self.tasks):
@@ -179,9 +173,79 @@ class _Run:
             await self.sink.close()
         finally:
             await self.sat.stop()
+            if lease is not None:
+                lease.release()
+        return self.report.finish(interrupted)
+
+    def _prepare(self) -> Lease | None:
+        """Check the failures file, take the store's lease, sweep dead clients' server files.
+
+        Returns None (and sets the fatal error) when the run must not start, or when the store
+        has no path to hold a lease.
+        """
+        try:
+            self.report.failures.check_writable()
+        except OSError as e:
+            self.abort(f"cannot write the failures file: {describe_os_error(e)}")
+            return None
+        if self.sink.path is None:
+            return None
+        cfg = self.config
+        try:
+            lease = acquire_lease(
+                self.sink.path,
+                world_size=cfg.world_size,
+                rank=cfg.rank,
+                request_prefix=self.client.request_prefix,
+                shared_dir=cfg.client.shared_dir,
+            )
+        except LeaseConflict as e:
+            self.abort(str(e))
+            return None
+        except OSError as e:
+            self.abort(f"cannot use the store: {describe_os_error(e)}")
+            return None
+        if cfg.client.delete_files:
+            dirs = [cfg.client.shared_dir] + [
+                i.shared_dir for i in read_leases(self.sink.path) if i.shared_dir
+            ]
+            swept = sweep_dead_leases(self.sink.path, dirs)
+            self.report.summary.orphans_removed += swept["orphans_removed"]
+        return lease
+
+    async def _pipeline(self, prompts, lease: Lease | None) -> bool:
+        """Probe the servers, then prompts -> requests -> sink; returns whether it was interrupted."""
+        interrupted = False
+        async with self.client:
+            try:
+                await self.client.probe()
+            except FatalError as e:
+                self.abort(str(e))
+                return False
+            await self.sat.start()
+            heartbeat = asyncio.create_task(_heartbeat(lease)) if lease is not None else None
+            try:
+                self.sink.start()
+                try:
+                    await self._dispatch(prompts)
+                except Exception as e:  # a bad input with --on-bad-input fail, an unreadable file, ...
+                    self.abort(str(e))
+                interrupted = self.stop.is_set() and self.report.summary.fatal is None
+                await self._drain()
+                await self.sink.close()
+                if self.config.client.delete_files:
+                    self.report.summary.orphans_removed += self.client.remove_own_files()
+                snapshot = self.sat.snapshot()
+                self.report.summary.endpoints = {
+                    url: {**stats, **snapshot[url]} for url, stats in self.client.stats().items()
+                }
+            finally:
+                if heartbeat is not None:
+                    heartbeat.cancel()
+                await self.sat.stop()  # before the session closes: the metrics poller uses it
         if not self.filter.seen_any and not self.report.summary.fatal:
             log.warning("the input holds no prompts: nothing to do")
-        return self.report.finish(interrupted)
+        return interrupted
 
     async def _dispatch(self, prompts) -> None:
         """Start one request task per admitted prompt, within the memory bound and free server slots."""
@@ -253,6 +317,12 @@ class _Run:
             await asyncio.gather(*pending, return_exceptions=True)
         else:
             await asyncio.gather(*list(self.tasks))
+
+
+async def _heartbeat(lease: Lease) -> None:
+    while True:
+        await asyncio.sleep(HEARTBEAT_S)
+        lease.heartbeat()
 
 
 async def _acquire_or_stop(sat: Saturator, stop: asyncio.Event) -> str | None:

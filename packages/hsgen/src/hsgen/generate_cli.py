@@ -506,9 +506,10 @@ def generate(
 
 def _open_store(path: Path, layer_ids, fingerprint: str):
     from hsgen.store import HiddenStateStore, StoreError
+    from hsgen.store.store import HEADER_FILE
 
-    if not path.exists():
-        return None
+    if not (path / HEADER_FILE).exists() and (not path.is_dir() or not _visible_entries(path)):
+        return None  # not created yet (a first run may have left only its lease)
     try:
         store = HiddenStateStore.open(path)
     except StoreError as e:
@@ -524,6 +525,10 @@ def _open_store(path: Path, layer_ids, fingerprint: str):
             f"(fingerprint {h.tokenizer_fingerprint[:12]}..., now {fingerprint[:12]}...): use another store"
         )
     return store
+
+
+def _visible_entries(path: Path) -> list[str]:
+    return [e for e in os.listdir(path) if not e.startswith(".")]
 
 
 def _store_factory(path: Path, layer_ids, verifier, fingerprint: str, codec: str, cfg):
