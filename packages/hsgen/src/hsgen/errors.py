@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 
 class FetchError(Exception):
     """A prompt whose hidden states could not be fetched.
@@ -33,11 +35,11 @@ def describe_transport(e: BaseException, timeout_s: float) -> str:
     """A transport error in a few words: ``connection refused``, ``no answer within 10 s``, ..."""
     if isinstance(e, TimeoutError):
         return f"no answer within {timeout_s:g} s"
-    os_error = getattr(e, "os_error", None)
-    if isinstance(os_error, OSError) and os_error.strerror:
-        return os_error.strerror.lower()
-    if isinstance(e, OSError) and e.strerror:
-        return e.strerror.lower()
+    for err in (getattr(e, "os_error", None), e):
+        if isinstance(err, OSError) and err.errno:
+            return os.strerror(err.errno).lower()
+        if isinstance(err, OSError) and err.strerror:
+            return err.strerror.lower()
     return f"{type(e).__name__}: {e}"
 
 

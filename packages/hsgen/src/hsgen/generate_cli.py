@@ -365,6 +365,13 @@ async def _render_with_server(
     help="Seconds an open circuit breaker waits before probing the server again.",
 )
 @click.option(
+    "--max-down",
+    type=click.FloatRange(min=0.0),
+    default=600.0,
+    show_default=True,
+    help="End the run (exit 1) when no server has answered for this many seconds (0 = never give up).",
+)
+@click.option(
     "--max-consecutive-failures",
     type=click.IntRange(min=0),
     default=200,
@@ -425,6 +432,7 @@ def generate(
     retries,
     breaker_threshold,
     breaker_cooldown,
+    max_down,
     max_consecutive_failures,
     include_output_tokens,
     check_finite,
@@ -472,6 +480,7 @@ def generate(
             max_retries=retries,
             breaker_threshold=breaker_threshold,
             breaker_cooldown_s=breaker_cooldown,
+            max_down_s=max_down,
             check_finite=check_finite,
             delete_files=not keep_server_files,
         )
@@ -489,6 +498,7 @@ def generate(
             failures_path=failures_path or default_failures_path(store_path, rank, world_size),
             max_samples=limit,
             max_consecutive_failures=max_consecutive_failures,
+            on_bad_input=on_bad_input,
         )
     except ValueError as e:
         raise click.UsageError(str(e)) from None
@@ -498,9 +508,7 @@ def generate(
     show = progress if progress is not None else sys.stderr.isatty()
     summary = asyncio.run(_run_with_signals(run_generate, cfg, prompts, store, show))
     summary.store = summary.store or str(store_path)
-    if summary.fatal:
-        log.error("%s", summary.fatal)
-    click.echo(summary.to_json())
+    click.echo(summary.to_json())  # a fatal error was logged once, on one line, by the run
     sys.exit(summary.exit_code)
 
 
