@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from pathlib import Path
 
 import click
 
@@ -140,16 +141,21 @@ def verify(store: str, as_json: bool, progress: bool | None) -> None:
 def gc(store: str, as_json: bool, dry_run: bool, repair: bool, shared_dirs: tuple[str, ...]) -> None:
     """Reclaim space in STORE: orphaned temp files, uncommitted shards of dead writers, deleted shards,
     and later copies of sample ids stored twice."""
-    from .leases import sweep_dead_leases
+    from .leases import LEASE_DIR, sweep_dead_leases
+    from .store import HEADER_FILE
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s", stream=sys.stderr)
-    st = _open(store)
-    try:
-        out = st.gc(dry_run=dry_run, repair=repair)
-    except (StoreError, OSError) as e:
-        raise click.ClickException(str(e)) from None
+    path = Path(store)
+    if not (path / HEADER_FILE).exists() and (path / LEASE_DIR).is_dir():
+        out = {"removed_temp": 0, "removed_uncommitted": 0, "removed_deleted": 0, "bytes_freed": 0}
+        out |= {"live_writers": 0, "dry_run": dry_run}  # killed before its first sample: leases only
+    else:
+        try:
+            out = _open(store).gc(dry_run=dry_run, repair=repair)
+        except (StoreError, OSError) as e:
+            raise click.ClickException(str(e)) from None
     if shared_dirs:
-        out.update(sweep_dead_leases(st.path, list(shared_dirs), dry_run=dry_run))
+        out.update(sweep_dead_leases(path, list(shared_dirs), dry_run=dry_run))
     if as_json:
         click.echo(json.dumps(out))
         return
