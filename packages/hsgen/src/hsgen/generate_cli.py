@@ -152,8 +152,18 @@ def render(
         raise click.UsageError(
             "--server renders with the server's tokenizer and template: drop --tokenizer/--chat-template"
         )
-    counts = {"rendered": 0, "tokens": 0, "truncated": 0, "too_long": 0, "bad_input": 0}
-    out = sys.stdout if output == "-" else open(output, "w", encoding="utf-8")  # noqa: SIM115
+    counts = {
+        "rendered": 0,
+        "tokens": 0,
+        "truncated": 0,
+        "too_long": 0,
+        "bad_input": 0,
+        "no_assistant_turn": 0,
+    }
+    try:
+        out = sys.stdout if output == "-" else open(output, "w", encoding="utf-8")  # noqa: SIM115
+    except OSError as e:
+        raise click.ClickException(f"cannot write {output}: {e.strerror or e}") from None
 
     def emit(item) -> None:
         if isinstance(item, Skipped):
@@ -163,6 +173,12 @@ def render(
         counts["rendered"] += 1
         counts["tokens"] += len(item.token_ids)
         counts["truncated"] += int(item.truncated)
+        if 1 not in item.loss_mask:
+            counts["no_assistant_turn"] += 1
+            if counts["no_assistant_turn"] <= 5:
+                log.warning(
+                    "%s: sample %r has no assistant turn: its loss mask is all 0", item.source, item.sample_id
+                )
 
     fingerprint = ""
     try:
@@ -176,16 +192,23 @@ def render(
             fingerprint = renderer.fingerprint
             for item in render_stream(list(inputs), renderer, on_bad_input=on_bad_input):
                 emit(item)
+        if out is not sys.stdout:
+            out.close()
+        else:
+            out.flush()
     except (InputError, RenderError) as e:
         raise click.ClickException(str(e)) from None
     except BrokenPipeError:
         sys.stderr.close()
         return
+    except OSError as e:
+        raise click.ClickException(f"cannot write {output}: {e.strerror or e}") from None
     finally:
-        if out is not sys.stdout:
-            out.close()
-        else:
-            out.flush()
+        if out is not sys.stdout and not out.closed:
+            with contextlib.suppress(OSError):
+                out.close()
+    if not any(counts[k] for k in ("rendered", "too_long", "bad_input")):
+        log.warning("the input holds no records: nothing rendered")
     click.echo(json.dumps({**counts, "tokenizer_fingerprint": fingerprint}), err=True)
 
 
