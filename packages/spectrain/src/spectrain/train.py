@@ -53,6 +53,10 @@ STATE_DIR = "trainer"
 LATEST = "latest"
 
 
+class NonFiniteTraining(ValueError):
+    """The loss or the gradients stayed NaN/inf for ``max_nonfinite_steps`` steps in a row."""
+
+
 @dataclass
 class TrainConfig:
     """Everything a run needs. CLI flags and ``--config`` files fill these fields."""
@@ -86,6 +90,9 @@ class TrainConfig:
     betas: tuple[float, float] = (0.9, 0.95)
     max_grad_norm: float = 1.0
     """Gradient clipping by global norm (0 disables)."""
+    max_nonfinite_steps: int = 10
+    """A step whose loss or gradient norm is NaN/inf is skipped (never applied, never exported); this
+    many in a row stop the run with an error."""
     total_seq_len: int = 8192
     """Token slots per packed sequence (one sequence per micro-step)."""
     grad_accum: int = 1
@@ -160,7 +167,7 @@ class TrainConfig:
             raise ValueError(f"distributed: {self.distributed!r} is not ddp | fsdp")
         if self.precision not in ("auto", "bf16", "fp32"):
             raise ValueError(f"precision: {self.precision!r} is not auto | bf16 | fp32")
-        for name in ("epochs", "grad_accum", "total_seq_len", "log_every"):
+        for name in ("epochs", "grad_accum", "total_seq_len", "log_every", "max_nonfinite_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
 
@@ -530,6 +537,8 @@ class Trainer:
             self._restore(self.state)
         self.metrics = MetricsLog(self.save_path, self.info.is_main, cfg.tensorboard)
         self.verifier_name = cfg.verifier_name or self.verifier.info.name_or_path
+        self.nonfinite_skipped = 0
+        self.nonfinite_streak = 0
 
     # ------------------------------------------------------------------ setup
 
@@ -693,10 +702,14 @@ class Trainer:
                         break
                     if go_on == 0:
                         break
-                    loss, grad_norm, sums, flops = self._step(micro)
+                    loss, grad_norm, sums, flops, applied = self._step(micro)
                     step_time = time.perf_counter() - t0
                     self.position = micro[-1].plan_end
                     self.source.consumed([s for b in micro for s in b.sample_ids])
+                    if not applied:
+                        self._skip_nonfinite(loss, grad_norm, micro)
+                        continue
+                    self.nonfinite_streak = 0
                     self.global_step += 1
                     last_loss = loss
                     window.add(sums)
@@ -736,6 +749,7 @@ class Trainer:
                 "epoch": self.epoch,
                 "loss": last_loss,
                 "checkpoint": str(self.last_checkpoint),
+                "nonfinite_steps_skipped": self.nonfinite_skipped,
             }
         )
         stats = getattr(self.source, "stats", None)
@@ -762,7 +776,7 @@ class Trainer:
             return True
         return cfg.stop_after_steps is not None and self.global_step >= cfg.stop_after_steps
 
-    def _step(self, micro: list) -> tuple[float, float, dict[str, torch.Tensor], float]:
+    def _step(self, micro: list) -> tuple[float, float, dict[str, torch.Tensor], float, bool]:
         cfg = self.cfg
         self.wrapped.train()
         sums = MetricSums()
@@ -785,10 +799,34 @@ class Trainer:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
         else:
             grad_norm = float(torch.norm(torch.stack([p.grad.norm() for p in params if p.grad is not None])))
+        finite = math.isfinite(total) and math.isfinite(grad_norm)
+        if self.info.enabled:  # every rank skips the same steps
+            finite = bool(_all_min(int(finite), self.info, self.device))
+        if not finite:
+            self.optimizer.zero_grad(set_to_none=True)
+            return total / len(micro), grad_norm, sums.sums, flops, False
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return total / len(micro), grad_norm, sums.sums, flops
+        return total / len(micro), grad_norm, sums.sums, flops, True
+
+    def _skip_nonfinite(self, loss: float, grad_norm: float, micro: list) -> None:
+        """Count a skipped non-finite step; raise :class:`NonFiniteTraining` after too many in a row."""
+        self.nonfinite_skipped += 1
+        self.nonfinite_streak += 1
+        ids = [s for b in micro for s in b.sample_ids]
+        shown = ", ".join(repr(i) for i in ids[:4]) + (f" and {len(ids) - 4} more" if len(ids) > 4 else "")
+        log.warning(
+            "step %d: loss %s, gradient norm %s: not finite, the step is skipped (samples %s; %d skipped so far)",
+            self.global_step + 1, loss, grad_norm, shown, self.nonfinite_skipped,
+        )  # fmt: skip
+        limit = self.cfg.max_nonfinite_steps
+        if self.nonfinite_streak >= limit:
+            raise NonFiniteTraining(
+                f"the loss or gradients were NaN/inf for {limit} steps in a row (after step {self.global_step}, "
+                f"last samples {shown}): nothing of them was applied or saved; check the store with "
+                "hsgen verify, or lower --lr (--max-nonfinite-steps sets the limit)"
+            )
 
     def _train_record(self, window, tokens, wait, elapsed, steps, flops, grad_norm, loss) -> dict[str, Any]:
         summ = window.summary(self.info)
@@ -806,6 +844,7 @@ class Trainer:
             "step_time_s": elapsed / max(steps, 1),
             "data_wait_fraction": wait / max(elapsed, 1e-9),
             "flops_per_s": flops / max(elapsed, 1e-9),
+            "nonfinite_steps_skipped": self.nonfinite_skipped,
         }
         stats = getattr(self.source, "stats", None)
         if callable(stats):
@@ -867,6 +906,9 @@ class Trainer:
         name = f"checkpoint-{self.global_step:08d}"
         final = self.save_path / name
         model_sd, optim_sd = self._full_states()
+        bad = [k for k, v in model_sd.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+        if bad and self._mode() != "fsdp":  # FSDP gathers the weights on rank 0 only: no rank may raise alone
+            raise NonFiniteTraining(f"refusing to save {name}: weights {bad[:3]} hold NaN/inf")
         positions = _gather(self.position, self.info)
         plans = getattr(self, "current_plans", None)
         if self.info.is_main:

@@ -24,6 +24,7 @@ DRAFT_FLAGS = {
 TRAIN_FLAGS = (
     "store", "verifier", "verifier_name", "speculator_type", "save_path", "epochs", "max_steps", "stop_after_steps",
     "lr", "min_lr_ratio", "schedule", "warmup_steps", "warmup_ratio", "weight_decay", "max_grad_norm",
+    "max_nonfinite_steps",
     "total_seq_len", "grad_accum", "seed", "val_fraction", "val_every", "val_max_sequences", "save_every",
     "keep_checkpoints", "resume", "num_workers", "prefetch", "log_every", "device", "precision", "distributed",
     "vocab_scan_samples", "prompts",
@@ -134,6 +135,11 @@ def build_train_config(params: dict[str, Any]):
 @click.option("--weight-decay", type=float, help="AdamW weight decay (default 0).")
 @click.option("--betas", help="AdamW betas, 'b1,b2' (default 0.9,0.95).")
 @click.option("--max-grad-norm", type=float, help="Gradient clipping norm, 0 = off (default 1.0).")
+@click.option(
+    "--max-nonfinite-steps",
+    type=int,
+    help="Steps with a NaN/inf loss or gradient are skipped; this many in a row stop the run (default 10).",
+)
 @click.option("--total-seq-len", type=int, help="Tokens per packed sequence (default 8192).")
 @click.option("--grad-accum", type=int, help="Packed sequences per optimizer step (default 1).")
 @click.option("--seed", type=int, help="Seed of plans, anchors and init (default 0).")
