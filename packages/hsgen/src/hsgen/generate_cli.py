@@ -486,6 +486,8 @@ def generate(
             ids = protocol.parse_layer_ids(layer_ids)
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint="--layer-ids") from None
+    if ids is not None and tokenizer is not None:
+        _check_layer_ids(ids, Path(tokenizer))
     renderer = _make_renderer(tokenizer, chat_template, template_kwargs, max_len, on_too_long)
     store = _open_store(store_path, ids, renderer.fingerprint)
     if store is None and ids is None:
@@ -533,6 +535,22 @@ def generate(
     summary.store = summary.store or str(store_path)
     click.echo(summary.to_json())  # a fatal error was logged once, on one line, by the run
     sys.exit(summary.exit_code)
+
+
+def _check_layer_ids(layer_ids, model_dir: Path) -> None:
+    """With the model's config.json at hand (``--tokenizer`` is often the model directory), every
+    layer id must be one of its layers: 0 (embeddings) to ``num_hidden_layers``."""
+    from hsgen import protocol
+
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+        layers = int(config.get("text_config", config)["num_hidden_layers"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    try:
+        protocol.normalize_layer_ids(layer_ids, layers)
+    except ValueError as e:
+        raise click.BadParameter(f"{e} ({model_dir / 'config.json'})", param_hint="--layer-ids") from None
 
 
 def _open_store(path: Path, layer_ids, fingerprint: str):

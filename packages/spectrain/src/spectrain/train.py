@@ -136,6 +136,9 @@ class TrainConfig:
     prompts: str | None = None
     online_options: dict[str, Any] = field(default_factory=dict)
     """Other ``spectrain.online.OnlineConfig`` fields (shared_dir, scratch_bytes, delete_cached, ...)."""
+    chat_template: str | None = None
+    """The chat template file the prompts were rendered with when not the verifier's own (checked
+    against the store's tokenizer fingerprint; online runs render with it)."""
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -249,6 +252,12 @@ def lr_lambda(step: int, total: int, warmup: int, schedule: str, min_ratio: floa
 def resolve_layers(draft_cfg: DraftConfig, store_layer_ids: Sequence[int], verifier_layers: int) -> list[int]:
     """Fill ``aux_layer_ids``/``target_layer_id``; return indices into the stored layers (aux..., target)."""
     ids = [int(i) for i in store_layer_ids]
+    beyond = [i for i in ids if i > verifier_layers]
+    if beyond:
+        raise ValueError(
+            f"the store's layer ids {ids} include {beyond}, beyond the verifier's {verifier_layers} layers "
+            f"(ids run from 0, the embeddings, to {verifier_layers}, the last layer): another verifier made it"
+        )
     target = draft_cfg.target_layer_id if draft_cfg.target_layer_id is not None else ids[-1]
     if target not in ids:
         raise ValueError(f"target layer {target} is not in the store's layers {ids}")
@@ -271,6 +280,30 @@ def resolve_layers(draft_cfg: DraftConfig, store_layer_ids: Sequence[int], verif
     draft_cfg.aux_layer_ids = tuple(aux)
     draft_cfg.target_layer_id = target
     return [ids.index(i) for i in aux] + [ids.index(target)]
+
+
+def check_tokenizer(
+    store_fingerprint: str, verifier: str, chat_template: str | None, store: str | None
+) -> None:
+    """Raise ``ValueError`` when the store was rendered with another tokenizer or chat template.
+
+    The store's header records the fingerprint of the tokenizer and chat template its prompts
+    were rendered with (``""`` when unknown, e.g. pre-tokenized input); it must equal the
+    verifier's (with ``chat_template`` overriding the verifier's own template, as at generation).
+    """
+    if not store_fingerprint or not (Path(verifier) / "tokenizer.json").is_file():
+        return
+    from hsgen.render import ChatRenderer, RenderConfig
+
+    mine = ChatRenderer(RenderConfig(tokenizer_path=verifier, chat_template=chat_template)).fingerprint
+    if mine != store_fingerprint:
+        hint = (
+            "" if chat_template else " (if generate used --chat-template FILE, pass the same --chat-template)"
+        )
+        raise ValueError(
+            f"{store}: rendered with another tokenizer or chat template than the verifier {verifier} "
+            f"(fingerprint {store_fingerprint[:12]}..., verifier's {mine[:12]}...){hint}"
+        )
 
 
 def build_source(cfg: TrainConfig, info: DistInfo, split: str = "train") -> SampleSource:
@@ -499,6 +532,10 @@ class Trainer:
             raise ValueError(
                 f"store hidden_size {header.hidden_size} differs from verifier {cfg.verifier} "
                 f"hidden_size {self.verifier.hidden_size}"
+            )
+        if not cfg.online:  # the online source checks its store against the prompts' renderer
+            check_tokenizer(
+                getattr(header, "tokenizer_fingerprint", ""), cfg.verifier, cfg.chat_template, cfg.store
             )
         self.hidden_dtype = TORCH_DTYPES.get(getattr(header, "dtype", "bfloat16"), torch.bfloat16)
         cfg_cls = get_config_class(cfg.speculator_type)
@@ -783,6 +820,7 @@ class Trainer:
         total = 0.0
         flops = 0.0
         for i, b in enumerate(micro):
+            self._check_vocab(b)
             b = b.to(self.device, non_blocking=True)
             gen = step_generator(cfg.seed, self.global_step, self.info.rank, i)
             sync = i == len(micro) - 1
@@ -809,6 +847,15 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return total / len(micro), grad_norm, sums.sums, flops, True
+
+    def _check_vocab(self, b) -> None:
+        """Refuse a batch holding token ids the verifier does not have (another tokenizer made it)."""
+        top = int(b.input_ids.max()) if b.input_ids.numel() else 0
+        if top >= self.verifier.vocab_size:
+            raise ValueError(
+                f"samples {b.sample_ids[:4]} hold token id {top}, beyond the verifier's vocabulary of "
+                f"{self.verifier.vocab_size} ({self.cfg.verifier}): they were rendered with another tokenizer"
+            )
 
     def _skip_nonfinite(self, loss: float, grad_norm: float, micro: list) -> None:
         """Count a skipped non-finite step; raise :class:`NonFiniteTraining` after too many in a row."""

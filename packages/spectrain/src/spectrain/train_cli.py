@@ -27,7 +27,7 @@ TRAIN_FLAGS = (
     "max_nonfinite_steps",
     "total_seq_len", "grad_accum", "seed", "val_fraction", "val_every", "val_max_sequences", "save_every",
     "keep_checkpoints", "resume", "num_workers", "prefetch", "log_every", "device", "precision", "distributed",
-    "vocab_scan_samples", "prompts",
+    "vocab_scan_samples", "prompts", "chat_template",
 )  # fmt: skip
 
 
@@ -208,6 +208,12 @@ def build_train_config(params: dict[str, Any]):
     "--cache-generated", is_flag=True, default=False, help="Online: keep generated samples in --store."
 )
 @click.option("--prompts", type=click.Path(), help="Online: prompt file (JSONL / Parquet).")
+@click.option(
+    "--chat-template",
+    type=click.Path(exists=True, dir_okay=False),
+    help="The chat template file the prompts were rendered with, when not the verifier's own "
+    "(hsgen generate --chat-template); checked against the store's tokenizer fingerprint.",
+)
 @click.option("--shared-dir", help="Online: the servers' shared_storage_path as seen here (default /tmp).")
 @click.option(
     "--scratch-dir", help="Online: scratch store for generated samples (default /dev/shm if it fits)."

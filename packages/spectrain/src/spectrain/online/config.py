@@ -115,6 +115,8 @@ class OnlineConfig:
             "seed": cfg.seed,
             "validation_fraction": cfg.val_fraction,
         }
+        if getattr(cfg, "chat_template", None):
+            kwargs["chat_template"] = cfg.chat_template
         kwargs.update(extra)
         if not kwargs.get("layer_ids"):
             kwargs["layer_ids"] = _default_layer_ids(cfg)
