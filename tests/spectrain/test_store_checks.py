@@ -80,3 +80,26 @@ def test_generate_checks_layer_ids_against_the_models_config(tmp_path, tiny_mode
     )  # fmt: skip
     assert res.exit_code == 2 and "layer id 99 exceeds the model's 4 layers" in res.output
     assert not (tmp_path / "st").exists()
+
+
+def test_training_on_nothing_is_an_error_and_an_empty_validation_split_warns(
+    tiny_store, tiny_model_dir, tmp_path, caplog
+):
+    from spectrain.cli import main
+
+    empty = HiddenStateStore.create(tmp_path / "empty", HiddenStateStore.open(tiny_store).header)
+    args = ["train", "--store", str(empty.path), "--verifier", str(tiny_model_dir), "--save-path",
+            str(tmp_path / "run"), "--total-seq-len", "256", "--block-size", "4", "--max-anchors", "16",
+            "--num-layers", "1", "--max-steps", "2"]  # fmt: skip
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 1 and "nothing to train on" in res.output
+    assert not list((tmp_path / "run").glob("checkpoint-*"))
+    few = tmp_path / "few"
+    old = HiddenStateStore.open(tiny_store)
+    ids = sorted(old.sample_ids())[:3]
+    with HiddenStateStore.create(few, old.header).writer("w") as w:
+        for s in old.read_many(ids):
+            w.add(s.sample_id, s.hidden_states, s.token_ids, s.loss_mask)
+    summary = train(_cfg(few, tiny_model_dir, tmp_path / "run2", val_fraction=0.01))
+    assert summary["step"] >= 1
+    assert "the validation split (--val-fraction 0.01) is empty" in caplog.text

@@ -511,6 +511,7 @@ class Trainer:
             elif isinstance(self.source, StoreSource):
                 self.val_source = StoreSource(self.source.path, split="validation", val_fraction=cfg.val_fraction,
                                               seed=cfg.seed, rank=self.info.rank, world_size=self.info.world_size)  # fmt: skip
+        self._check_there_is_data()
 
         self.resume_dir = find_resume(cfg)
         self.state: dict[str, Any] | None = None
@@ -578,6 +579,20 @@ class Trainer:
         self.nonfinite_streak = 0
 
     # ------------------------------------------------------------------ setup
+
+    def _check_there_is_data(self) -> None:
+        """Training on nothing is an error; an empty validation split is worth a warning."""
+        cfg = self.cfg
+        where = f"--prompts {cfg.prompts}" if cfg.online else f"store {cfg.store}"
+        if sum(_gather(len(self.source.plan(0)), self.info)) == 0:
+            raise ValueError(
+                f"nothing to train on: {where} holds no sample of the training split "
+                f"(empty, or every sample falls in the --val-fraction {cfg.val_fraction} validation split)"
+            )
+        empty_val = self.val_source is not None and sum(_gather(len(self.val_source.plan(0)), self.info)) == 0
+        if empty_val and self.info.is_main:  # the gather above is a collective: every rank runs it
+            log.warning("%s: the validation split (--val-fraction %g) is empty: no validation", where,
+                        cfg.val_fraction)  # fmt: skip
 
     def _wrap(self, model: DraftModel) -> torch.nn.Module:
         if self.cfg.compile:
