@@ -46,7 +46,7 @@ class ClientConfig:
 
     endpoints: Sequence[str]
     shared_dir: str = protocol.DEFAULT_SHARED_STORAGE_PATH
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)
     model: str | None = None
     include_output_tokens: bool = False
     request_timeout_s: float = 600.0

@@ -175,6 +175,33 @@ class TrainConfig:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
 
 
+SECRET_FIELDS = frozenset({"api_key", "apikey", "api_token", "access_token", "auth_token", "hf_token", "token",
+                           "password", "secret", "authorization"})  # fmt: skip
+"""Config field names whose values are secrets (matched case-insensitively, also as ``*_api_key``)."""
+REDACTED = "<redacted>"
+
+
+def redact_secrets(value: Any) -> Any:
+    """A copy of ``value`` (dicts, lists, strings) with secret fields and URL credentials replaced.
+
+    Every saved config and summary goes through it: an API key belongs in ``$VLLM_API_KEY``,
+    never in a checkpoint.
+    """
+    if isinstance(value, dict):
+        return {k: REDACTED if _is_secret(k) and v else redact_secrets(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [redact_secrets(v) for v in value]
+    if isinstance(value, str) and "://" in value and "@" in value.split("://", 1)[1].split("/", 1)[0]:
+        scheme, rest = value.split("://", 1)
+        return f"{scheme}://{REDACTED}@{rest.split('@', 1)[1]}"
+    return value
+
+
+def _is_secret(key: Any) -> bool:
+    k = str(key).lower().replace("-", "_")
+    return k in SECRET_FIELDS or k.endswith(("_api_key", "_secret", "_password"))
+
+
 def load_config_file(path: str | Path) -> dict[str, Any]:
     """Read a JSON or YAML config file into a dict (errors name the file)."""
     path = Path(path)
@@ -997,8 +1024,8 @@ class Trainer:
                 "plans": plans,
             }
             torch.save(state, tmp / STATE_DIR / "state.pt")
-            resolved = {"train": self.cfg.to_dict(), "draft": self.draft_cfg.to_dict(),
-                        "loop": state["loop"]}  # fmt: skip
+            resolved = redact_secrets({"train": self.cfg.to_dict(), "draft": self.draft_cfg.to_dict(),
+                                       "loop": state["loop"]})  # fmt: skip
             (tmp / STATE_DIR / "train_config.json").write_text(json.dumps(resolved, indent=2) + "\n")
             if final.exists():
                 shutil.rmtree(final)

@@ -235,6 +235,7 @@ def train(**params: Any) -> None:
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     from hsgen.store.errors import StoreError
+    from spectrain.train import redact_secrets
     from spectrain.train import train as run_train
 
     try:
@@ -242,7 +243,7 @@ def train(**params: Any) -> None:
     except (ValueError, StoreError) as e:
         raise click.ClickException(str(e)) from None
     if os.environ.get("RANK", "0") == "0":  # one summary line under torchrun, not one per rank
-        click.echo(json.dumps(summary, default=str))
+        click.echo(json.dumps(redact_secrets(summary), default=str))
     if summary.get("stopped_by"):  # a checkpoint was saved; 128 + the signal, as a shell reports it
         sys.exit(128 + int(getattr(signal.Signals, summary["stopped_by"])))
 
