@@ -126,6 +126,9 @@ class _Run:
         self.config = config
         self.stop = stop
         self.report = RunReport(config.failures_path, progress)
+        self.report.on_write_error = lambda e: self.abort(
+            f"cannot write the failures file: {describe_os_error(e)}"
+        )
         self.sink = StoreSink(
             store,
             writer_id=config.writer_id,

@@ -215,7 +215,14 @@ class ChatRenderer:
             self._load(Path(config.tokenizer_path))
 
     def _load(self, path: Path) -> None:
-        from tokenizers import Tokenizer
+        try:
+            import jinja2  # noqa: F401 - the chat template needs it too
+            from tokenizers import Tokenizer
+        except ImportError as e:
+            raise RenderError(
+                f"rendering with a tokenizer needs tokenizers and jinja2 ({e.name} is missing): "
+                "pip install 'hsgen[render]'"
+            ) from None
 
         tok_file = path / "tokenizer.json"
         if not tok_file.exists():

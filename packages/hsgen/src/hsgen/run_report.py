@@ -8,8 +8,10 @@ prompt (skipped, fetched, failed) and :meth:`RunReport.finish` turns the counts 
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -95,13 +97,17 @@ class FailureLog:
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
             self._f = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open for the run
         record = {"time": round(time.time(), 3), **record}
-        self._f.write(json.dumps(record, ensure_ascii=False) + "\n")
-        self._f.flush()
+        try:
+            self._f.write(json.dumps(record, ensure_ascii=False) + "\n")
+            self._f.flush()
+        except OSError as e:
+            raise OSError(e.errno, e.strerror, self.path) from None
 
     def close(self) -> None:
         if self._f is not None:
-            self._f.close()
-            self._f = None
+            f, self._f = self._f, None
+            with contextlib.suppress(OSError):  # a full disk already reported at write
+                f.close()
 
 
 class Progress:
@@ -145,11 +151,21 @@ class RunReport:
         self.failures = FailureLog(failures_path)
         self.reasons: collections.Counter[str] = collections.Counter()
         self._bar = Progress(progress)
+        self.on_write_error: Callable[[OSError], None] | None = None
 
     def record(self, sample_id: str | None, reason: str, message: str, **extra: Any) -> None:
-        """Count ``reason`` and write a failures-file line for ``sample_id``."""
+        """Count ``reason`` and write a failures-file line for ``sample_id``.
+
+        A failures file that cannot be written (disk full) goes to ``on_write_error`` once.
+        """
         self.reasons[reason] += 1
-        self.failures.write({"sample_id": sample_id, "reason": reason, "error": message, **extra})
+        try:
+            self.failures.write({"sample_id": sample_id, "reason": reason, "error": message, **extra})
+        except OSError as e:
+            if self.on_write_error is None:
+                raise
+            self.failures.path = None
+            self.on_write_error(e)
 
     def fetched(self, tokens: int, nbytes: int, attempts: int, in_flight: int) -> None:
         """A sample arrived validated (not yet durable)."""

@@ -242,10 +242,30 @@ def train(**params: Any) -> None:
         summary = run_train(cfg)
     except (ValueError, StoreError) as e:
         raise click.ClickException(str(e)) from None
+    except (RuntimeError, OSError) as e:
+        cause = _user_cause(e)
+        if cause is None:
+            raise
+        raise click.ClickException(cause) from None
     if os.environ.get("RANK", "0") == "0":  # one summary line under torchrun, not one per rank
         click.echo(json.dumps(redact_secrets(summary), default=str))
     if summary.get("stopped_by"):  # a checkpoint was saved; 128 + the signal, as a shell reports it
         sys.exit(128 + int(getattr(signal.Signals, summary["stopped_by"])))
+
+
+def _user_cause(e: BaseException) -> str | None:
+    """The one-line message of an error a user caused (a server down or refusing the key, a path
+    not writable), found along ``e``'s cause chain; None for anything else (a bug: traceback)."""
+    from hsgen.client import FetchError
+
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, FetchError):
+            return str(seen)
+        if isinstance(seen, OSError) and seen.strerror and seen.filename:
+            return f"{seen.strerror}: {seen.filename}"
+        seen = seen.__cause__
+    return None
 
 
 @click.command("export", context_settings={"help_option_names": ["-h", "--help"]})

@@ -263,9 +263,12 @@ class ManifestAppender:
             write_all(self.fd, [data[: len(data) // 2]])
             os.fsync(self.fd)
             failpoint("manifest_torn")
-        write_all(self.fd, [data])
-        if fsync:
-            os.fsync(self.fd)
+        try:
+            write_all(self.fd, [data])
+            if fsync:
+                os.fsync(self.fd)
+        except OSError as e:  # a write error (disk full) names the file
+            raise OSError(e.errno, e.strerror, str(self.path)) from None
 
     def close(self) -> None:
         """Close the file (releases the lock)."""
