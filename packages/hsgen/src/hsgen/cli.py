@@ -8,7 +8,10 @@ import importlib
 import click
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "status": ("hsgen.store.cli:status", "Summarize a store: unique samples, tokens, bytes, shards, writers."),
+    "status": (
+        "hsgen.store.cli:status",
+        "Summarize a store: unique samples, tokens, bytes, shards, writers.",
+    ),
     "verify": (
         "hsgen.store.cli:verify",
         "Check every sample's checksum and shape; non-zero exit on failure.",

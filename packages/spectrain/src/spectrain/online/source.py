@@ -679,7 +679,9 @@ class OnlineSource:
         try:
             self._loop.run_until_complete(self._run())
         finally:
-            pending = asyncio.all_tasks(self._loop)  # e.g. a header probe waiting for a client that never came
+            pending = asyncio.all_tasks(
+                self._loop
+            )  # e.g. a header probe waiting for a client that never came
             for t in pending:
                 t.cancel()
             if pending:
