@@ -111,23 +111,20 @@ def test_faults_never_store_corrupt_samples(tmp_path, chats, tiny_model_dir):
     assert len(fails) == summary["failed"] and all(f["sample_id"] not in store for f in fails)
 
 
+def _killable_generate(data, store_path, url, shared, tiny) -> list[str]:
+    """A slow-enough ``hsgen generate`` command line (small shards) to kill mid-run."""
+    args = [sys.executable, "-m", "hsgen.cli", "generate", str(data), "--store", str(store_path)]
+    args += ["--endpoint", url, "--shared-dir", str(shared), "--layer-ids", "1,2,4", "--tokenizer", str(tiny)]
+    return args + ["--shard-mb", "0.2", "--no-progress", "--log-level", "ERROR"]
+
+
 def test_resume_after_kill_9(tmp_path, chats, tiny_model_dir):
     shared = tmp_path / "shm"
     data = chats(120)
     store_path = tmp_path / "st"
     capacity = "prefill_tokens_per_s=20000,max_concurrent_seqs=4,step_overhead_s=0.05"
     with running_server("tiny", LAYERS, shared, capacity=capacity) as url:
-        args = [sys.executable, "-m", "hsgen.cli", "generate", str(data), "--store", str(store_path)]
-        args += ["--endpoint", url, "--shared-dir", str(shared), "--layer-ids", "1,2,4"]
-        args += [
-            "--tokenizer",
-            str(tiny_model_dir),
-            "--shard-mb",
-            "0.2",
-            "--no-progress",
-            "--log-level",
-            "ERROR",
-        ]
+        args = _killable_generate(data, store_path, url, shared, tiny_model_dir)
         proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 120
         n = 0
@@ -179,17 +176,7 @@ def test_kill_9_leaves_no_server_file_of_that_client(tmp_path, chats, tiny_model
     data = chats(120)
     capacity = "prefill_tokens_per_s=20000,max_concurrent_seqs=4,step_overhead_s=0.05"
     with running_server("tiny", LAYERS, shared, capacity=capacity) as url:
-        args = [sys.executable, "-m", "hsgen.cli", "generate", str(data), "--store", str(store_path)]
-        args += ["--endpoint", url, "--shared-dir", str(shared), "--layer-ids", "1,2,4"]
-        args += [
-            "--tokenizer",
-            str(tiny_model_dir),
-            "--shard-mb",
-            "0.2",
-            "--no-progress",
-            "--log-level",
-            "ERROR",
-        ]
+        args = _killable_generate(data, store_path, url, shared, tiny_model_dir)
         for kill_round in (1, 2):
             proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             deadline = time.monotonic() + 120

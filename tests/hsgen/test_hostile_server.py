@@ -14,25 +14,16 @@ import threading
 import numpy as np
 import pytest
 from fake_vllm import FakeConfig, FakeVLLM
+from test_client import client_cfg
 
-from hsgen.client import ClientConfig, FetchError, HiddenStateClient
+from hsgen.client import FetchError, HiddenStateClient
 from hsgen.render import RenderedPrompt
 
 PROMPT = RenderedPrompt("s1", [5, 6, 7, 8], [0, 0, 1, 1])
 
 
-def cfg(url, shared, **kw) -> ClientConfig:
-    base = dict(
-        shared_dir=str(shared),
-        file_wait_s=2.0,
-        lock_timeout_s=1.0,
-        settle_s=0.2,
-        backoff_s=0.01,
-        max_retries=0,
-        request_timeout_s=5.0,
-    )
-    base.update(kw)
-    return ClientConfig(endpoints=[url], **base)
+def cfg(url, shared):
+    return client_cfg(url, shared, max_retries=0)
 
 
 async def test_symlink_swapped_directory_is_neither_read_nor_deleted_through(tmp_path):

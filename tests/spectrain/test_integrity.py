@@ -13,21 +13,12 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from _train_util import small_config
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from hsgen.store import HiddenStateStore
-from spectrain.train import TrainConfig, train
-
-
-def _cfg(store, verifier, save, **kw) -> TrainConfig:
-    base = dict(
-        store=str(store), verifier=str(verifier), save_path=str(save), speculator_type="dflash",
-        draft={"block_size": 4, "max_anchors": 16, "num_layers": 1}, total_seq_len=256, epochs=1,
-        lr=3e-3, save_every=0, log_every=1, num_workers=0, val_fraction=0.0, seed=1, warmup_steps=1,
-    )  # fmt: skip
-    base.update(kw)
-    return TrainConfig(**base)
+from spectrain.train import train
 
 
 def _copy_with_nan(src, dst, nan_ids) -> HiddenStateStore:
@@ -73,7 +64,7 @@ def test_a_flipped_byte_is_refused_naming_the_sample(tiny_store, tiny_model_dir,
 def test_nan_samples_are_skipped_counted_and_never_exported(tiny_store, tiny_model_dir, tmp_path, caplog):
     ids = HiddenStateStore.open(tiny_store).sample_ids()
     store = _copy_with_nan(tiny_store, tmp_path / "nan", set(ids[::12]))
-    summary = train(_cfg(store.path, tiny_model_dir, tmp_path / "run"))
+    summary = train(small_config(store.path, tiny_model_dir, tmp_path / "run"))
     assert summary["nonfinite_steps_skipped"] >= 1 and summary["step"] >= 1
     assert summary["loss"] is not None and np.isfinite(summary["loss"])
     assert "not finite, the step is skipped" in caplog.text
@@ -86,6 +77,6 @@ def test_nan_everywhere_stops_after_the_limit_without_saving(tiny_store, tiny_mo
     ids = HiddenStateStore.open(tiny_store).sample_ids()
     store = _copy_with_nan(tiny_store, tmp_path / "nan", set(ids))
     with pytest.raises(ValueError, match="3 steps in a row") as ei:
-        train(_cfg(store.path, tiny_model_dir, tmp_path / "run", max_nonfinite_steps=3))
+        train(small_config(store.path, tiny_model_dir, tmp_path / "run", max_nonfinite_steps=3))
     assert type(ei.value).__name__ == "NonFiniteTraining"
     assert not list((tmp_path / "run").glob("checkpoint-*"))

@@ -8,20 +8,11 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from _train_util import small_config
 from click.testing import CliRunner
 
 from hsgen.store import HiddenStateStore
-from spectrain.train import TrainConfig, train
-
-
-def _cfg(store, verifier, save, **kw) -> TrainConfig:
-    base = dict(
-        store=str(store), verifier=str(verifier), save_path=str(save), speculator_type="dflash",
-        draft={"block_size": 4, "max_anchors": 16, "num_layers": 1}, total_seq_len=256, epochs=1,
-        max_steps=2, save_every=0, val_fraction=0.0, seed=1,
-    )  # fmt: skip
-    base.update(kw)
-    return TrainConfig(**base)
+from spectrain.train import train
 
 
 def _copy(src, dst, *, token_shift: int = 0, **header_changes) -> HiddenStateStore:
@@ -37,7 +28,7 @@ def _copy(src, dst, *, token_shift: int = 0, **header_changes) -> HiddenStateSto
 def test_store_of_another_tokenizer_is_refused(tiny_store, tiny_model_dir, tmp_path):
     store = _copy(tiny_store, tmp_path / "other", tokenizer_fingerprint="ab" * 32)
     with pytest.raises(ValueError, match="another tokenizer or chat template"):
-        train(_cfg(store.path, tiny_model_dir, tmp_path / "run"))
+        train(small_config(store.path, tiny_model_dir, tmp_path / "run", max_steps=2))
     assert not list((tmp_path / "run").glob("checkpoint-*"))
 
 
@@ -46,7 +37,7 @@ def test_store_rendered_with_the_verifiers_tokenizer_trains(tiny_store, tiny_mod
 
     fp = ChatRenderer(RenderConfig(tokenizer_path=str(tiny_model_dir))).fingerprint
     store = _copy(tiny_store, tmp_path / "same", tokenizer_fingerprint=fp)
-    assert train(_cfg(store.path, tiny_model_dir, tmp_path / "run"))["step"] == 2
+    assert train(small_config(store.path, tiny_model_dir, tmp_path / "run", max_steps=2))["step"] == 2
 
 
 def test_token_ids_beyond_the_vocabulary_are_one_clear_error(tiny_store, tiny_model_dir, tmp_path):
@@ -65,7 +56,11 @@ def test_token_ids_beyond_the_vocabulary_are_one_clear_error(tiny_store, tiny_mo
 def test_layer_ids_beyond_the_verifier_are_refused(tiny_store, tiny_model_dir, tmp_path):
     store = _copy(tiny_store, tmp_path / "deep", layer_ids=(1, 2, 3, 99))
     with pytest.raises(ValueError, match=r"include \[99\], beyond the verifier's 4 layers"):
-        train(_cfg(store.path, tiny_model_dir, tmp_path / "run", draft={"block_size": 4, "num_layers": 1}))
+        train(
+            small_config(
+                store.path, tiny_model_dir, tmp_path / "run", draft={"block_size": 4, "num_layers": 1}
+            )
+        )
 
 
 def test_generate_checks_layer_ids_against_the_models_config(tmp_path, tiny_model_dir):
@@ -100,6 +95,6 @@ def test_training_on_nothing_is_an_error_and_an_empty_validation_split_warns(
     with HiddenStateStore.create(few, old.header).writer("w") as w:
         for s in old.read_many(ids):
             w.add(s.sample_id, s.hidden_states, s.token_ids, s.loss_mask)
-    summary = train(_cfg(few, tiny_model_dir, tmp_path / "run2", val_fraction=0.01))
+    summary = train(small_config(few, tiny_model_dir, tmp_path / "run2", val_fraction=0.01))
     assert summary["step"] >= 1
     assert "the validation split (--val-fraction 0.01) is empty" in caplog.text
