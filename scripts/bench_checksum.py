@@ -7,7 +7,10 @@ of 2048 tokens), then, on one thread, measures side by side and interleaved:
 - ``checksum_gbps``: ``bsum64`` over a sample's bytes already in memory;
 - ``read_gbps``: ``HiddenStateStore.read(verify=False)`` (page cache warm);
 - ``verified_read_gbps``: ``HiddenStateStore.read(verify=True)``, the default;
-- ``verify_overhead``: ``read_gbps / verified_read_gbps - 1``.
+- ``verify_overhead``: ``read_gbps / verified_read_gbps - 1`` (the two alternate which goes
+  first each round; page faults of the fresh 64 MiB arrays make single rounds noisy);
+- ``checksum_cost_fraction``: ``read_gbps / checksum_gbps``, the time the checksum adds to a
+  read, from the two steadier figures.
 
 Progress goes to stderr; the last stdout line is one JSON object with those keys, ``machine``
 and the shape. ``--quick`` uses a smaller store and fewer rounds (well under a minute).
@@ -67,8 +70,10 @@ def main() -> None:
         res = {"checksum": [], "read": [], "verified_read": []}
         for r in range(rounds):
             res["checksum"].append(timed(lambda: [C.checksum(arrays) for _ in ids], nbytes))
-            res["read"].append(timed(lambda: [store.read(i, verify=False) for i in ids], nbytes))
-            res["verified_read"].append(timed(lambda: [store.read(i, verify=True) for i in ids], nbytes))
+            order = ["read", "verified_read"] if r % 2 == 0 else ["verified_read", "read"]
+            for kind in order:
+                verify = kind == "verified_read"
+                res[kind].append(timed(lambda v=verify: [store.read(i, verify=v) for i in ids], nbytes))
             print(f"round {r + 1}/{rounds}: " + ", ".join(f"{k} {v[-1]:.2f} GB/s" for k, v in res.items()),
                   file=sys.stderr)  # fmt: skip
         store.close()
@@ -78,6 +83,7 @@ def main() -> None:
         "read_gbps": round(med["read"], 3),
         "verified_read_gbps": round(med["verified_read"], 3),
         "verify_overhead": round(med["read"] / med["verified_read"] - 1, 3),
+        "checksum_cost_fraction": round(med["read"] / med["checksum"], 3),
         "sample_mib": round(args.tokens * layers * hidden * 2 / 2**20, 1),
         "samples": samples,
         "rounds": rounds,
