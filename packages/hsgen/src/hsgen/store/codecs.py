@@ -178,3 +178,10 @@ def checksum(arrays: Sequence[np.ndarray], algorithm: str = "bsum64") -> str:
 def checksum_like(expected: str, arrays: Sequence[np.ndarray]) -> str:
     """Checksum of ``arrays`` with the algorithm named by ``expected``'s prefix."""
     return checksum(arrays, expected.split(":", 1)[0])
+
+
+def sample_arrays(
+    hidden: np.ndarray, token_ids: np.ndarray, loss_mask: np.ndarray, scale: np.ndarray | None = None
+) -> list[np.ndarray]:
+    """The arrays a sample's checksum covers, in order: stored hidden rows, fp8 scale, ids, mask."""
+    return [hidden] + ([scale] if scale is not None else []) + [token_ids, loss_mask]

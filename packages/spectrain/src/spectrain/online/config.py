@@ -44,7 +44,8 @@ class OnlineConfig:
         max_len: longest prompt in tokens (vLLM needs ``max_model_len - 1``).
         on_too_long: ``"truncate"`` or ``"skip"`` (a skipped prompt is reported as failed).
         chat_template: a template file overriding the verifier's.
-        api_key: bearer token for the servers.
+        api_key: bearer token for the servers; default ``$VLLM_API_KEY``, the place to keep it (saved
+            configs redact it, and never print it).
         failures_path: JSONL file of samples that could not be produced
             (default ``<save_path>/online-failures-rank<r>.jsonl``).
         client_options: extra :class:`hsgen.client.ClientConfig` fields (timeouts, retries, ...).
@@ -77,7 +78,7 @@ class OnlineConfig:
     max_len: int | None = None
     on_too_long: str = "truncate"
     chat_template: str | None = None
-    api_key: str | None = None
+    api_key: str | None = field(default_factory=lambda: os.environ.get("VLLM_API_KEY") or None, repr=False)
     failures_path: str | None = None
     client_options: dict[str, Any] = field(default_factory=dict)
     saturation: dict[str, Any] = field(default_factory=dict)
@@ -115,6 +116,8 @@ class OnlineConfig:
             "seed": cfg.seed,
             "validation_fraction": cfg.val_fraction,
         }
+        if getattr(cfg, "chat_template", None):
+            kwargs["chat_template"] = cfg.chat_template
         kwargs.update(extra)
         if not kwargs.get("layer_ids"):
             kwargs["layer_ids"] = _default_layer_ids(cfg)

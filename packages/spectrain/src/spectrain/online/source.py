@@ -279,8 +279,18 @@ class OnlineSource:
     def header(self) -> StoreHeader:
         """What the samples mean (the store's header; probed from the first fetch for a new store)."""
         if self._header is None:
-            fut = asyncio.run_coroutine_threadsafe(self._probe_header(), self._loop)
-            fut.result()
+            if self._fatal is None:
+                fut = asyncio.run_coroutine_threadsafe(self._probe_header(), self._loop)
+                while self._fatal is None:  # the fetch thread may stop for good while we wait
+                    try:
+                        fut.result(timeout=0.2)
+                        break
+                    except concurrent.futures.TimeoutError:
+                        continue
+                    except concurrent.futures.CancelledError:  # the fetch thread ended: _fatal says why
+                        break
+            if self._fatal is not None:
+                raise RuntimeError(f"online data source failed: {self._fatal}") from self._fatal
         assert self._header is not None
         return self._header
 
@@ -669,6 +679,13 @@ class OnlineSource:
         try:
             self._loop.run_until_complete(self._run())
         finally:
+            pending = asyncio.all_tasks(
+                self._loop
+            )  # e.g. a header probe waiting for a client that never came
+            for t in pending:
+                t.cancel()
+            if pending:
+                self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
             self._loop.close()
 
     async def _run(self) -> None:
@@ -678,6 +695,10 @@ class OnlineSource:
         try:
             async with self._client_factory() as client:
                 from hsgen.saturate import SaturationConfig, Saturator
+
+                probe = getattr(client, "probe", None)
+                if probe is not None:  # a dead or wrong endpoint fails here, in seconds
+                    await probe()
 
                 self._sat = Saturator(
                     SaturationConfig(**self.config.saturation),
@@ -696,7 +717,12 @@ class OnlineSource:
                         await asyncio.wait(set(tasks), timeout=10)
                     await self._sat.stop()
         except Exception as e:
-            log.exception("the hidden-state client failed")
+            from hsgen.client import FatalError
+
+            if isinstance(e, FatalError):  # a setting or a server: get() and header say it, once
+                log.debug("the hidden-state client stopped: %s", e)
+            else:
+                log.exception("the hidden-state client failed")
             self._set_fatal(e)
 
     async def _loop_until_closed(self, tasks: set[asyncio.Task]) -> None:
