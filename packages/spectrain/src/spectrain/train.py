@@ -108,7 +108,13 @@ class TrainConfig:
     are memory copies; use workers for lz4/fp8 stores whose decoding needs CPU). Sources that are
     not worker-safe always read in a thread."""
     prefetch: int = 8
-    """Samples read ahead."""
+    """Samples read ahead by DataLoader workers (``num_workers > 0``)."""
+    read_threads: int = 2
+    """Threads reading samples straight into the packed (pinned) sequence buffers; the loader
+    prepares ``grad_accum + 1`` sequences ahead of the step, off the training thread."""
+    verify_samples: bool = True
+    """Check each stored sample's checksum as it is read; a bad sample is skipped with a warning
+    naming store, shard and sample (``hsgen verify STORE`` lists them all)."""
     log_every: int = 10
     tensorboard: bool = False
     device: str = "auto"
@@ -273,7 +279,7 @@ def build_source(cfg: TrainConfig, info: DistInfo, split: str = "train") -> Samp
 
         return OnlineSource(cfg, rank=info.rank, world_size=info.world_size)
     return StoreSource(cfg.store, split=split, val_fraction=cfg.val_fraction, seed=cfg.seed, rank=info.rank,
-                       world_size=info.world_size)  # fmt: skip
+                       world_size=info.world_size, verify=cfg.verify_samples)  # fmt: skip
 
 
 def _gather(obj: Any, info: DistInfo) -> list[Any]:
@@ -470,7 +476,8 @@ class Trainer:
                 self.val_source = getter()
             elif isinstance(self.source, StoreSource):
                 self.val_source = StoreSource(self.source.path, split="validation", val_fraction=cfg.val_fraction,
-                                              seed=cfg.seed, rank=self.info.rank, world_size=self.info.world_size)  # fmt: skip
+                                              seed=cfg.seed, rank=self.info.rank, world_size=self.info.world_size,
+                                              verify=cfg.verify_samples)  # fmt: skip
 
         self.resume_dir = find_resume(cfg)
         self.state: dict[str, Any] | None = None
@@ -636,7 +643,8 @@ class Trainer:
         return PackedLoader(
             source, plan, start=start, total_seq_len=self.cfg.total_seq_len, layers=self.layer_index,
             hidden_dtype=self.hidden_dtype, num_workers=self.cfg.num_workers,
-            pin_memory=self.device.type == "cuda", prefetch=self.cfg.prefetch,
+            pin_memory=self.device.type == "cuda", prefetch=self.cfg.prefetch, read_threads=self.cfg.read_threads,
+            ahead=self.cfg.grad_accum + 1, device=self.device,
         )  # fmt: skip
 
     def _autocast(self):
@@ -718,6 +726,7 @@ class Trainer:
                     if cfg.save_every and self.global_step % cfg.save_every == 0:
                         self.save()
                         last_saved = self.global_step
+                batches.close()
                 if stop:
                     break
                 self._skip_rest(plan)
@@ -836,6 +845,7 @@ class Trainer:
                 _, metrics = self.module(b, step_generator(self.cfg.seed, 0, self.info.rank, n))
             sums.add(metrics)
             n += 1
+        batches.close()
         rec = {"split": "validation", "step": self.global_step, "epoch": self.epoch, "sequences": n,
                **sums.summary(self.info)}  # fmt: skip
         self.metrics.write(rec)
