@@ -203,6 +203,7 @@ def test_buffers_are_reused_only_when_released():
         del b
     # released batches give their buffer back: the one in use, those ready ahead, the one being packed
     assert len(seen) <= loader.ahead + 2 < 12
+    assert len(loader.buffers._kept) <= loader.buffers.size
 
 
 class RecordingRead:

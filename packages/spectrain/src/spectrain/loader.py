@@ -147,6 +147,35 @@ def locate(source: Any, sample_id: str) -> SampleRead | None:
     return None if sample is None else ArrayRead(sample)
 
 
+class BufferPool:
+    """Reusable CPU hidden-state buffers (pinned ones come from CUDA's caching host allocator).
+
+    Fresh multi-megabyte CPU allocations cost a page fault per 4 KiB on first touch, several
+    times the copy itself, so buffers no batch references any more are handed out again.
+
+    Args:
+        size: buffers kept per shape and dtype; more are allocated (and dropped) when all are busy.
+    """
+
+    def __init__(self, size: int = 5):
+        self.size = size
+        self._kept: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A buffer of ``shape`` that no batch uses (its contents are stale)."""
+        with self._lock:
+            same = [b for b in self._kept if tuple(b.shape) == shape and b.dtype == dtype]
+            for buf in same:  # free when no view of it (no batch) is alive
+                if buf._use_count() == 1:
+                    return buf.view(shape)
+            buf = torch.empty(shape, dtype=dtype)
+            if len(same) < self.size:
+                self._kept.append(buf)
+                return buf.view(shape)
+            return buf
+
+
 class PackedLoader:
     """Iterate packed :class:`~spectrain.batch.Batch` es over ``plan[start:]``.
 
@@ -164,6 +193,8 @@ class PackedLoader:
         read_threads: threads that read samples into the sequence buffers.
         ahead: finished sequences held ready ahead of the consumer.
         device: a CUDA device to move each sequence to on a copy stream (None: host batches).
+        buffers: where CPU sequence buffers come from; pass one pool to every loader of a run
+            (epochs, validation) so buffers are reused across them.
     """
 
     def __init__(
@@ -181,6 +212,7 @@ class PackedLoader:
         read_threads: int = 2,
         ahead: int = 2,
         device: torch.device | str | None = None,
+        buffers: BufferPool | None = None,
     ):
         if total_seq_len < 2:
             raise ValueError(f"total_seq_len must be >= 2, got {total_seq_len}")
@@ -200,8 +232,7 @@ class PackedLoader:
         self.refused: list[str] = []
         """Samples whose reads were refused (trained on nothing), in the order met."""
         self._warned_truncate = False
-        self._buffers: list[torch.Tensor] = []
-        self.pool_size = self.ahead + 3
+        self.buffers = buffers if buffers is not None else BufferPool(self.ahead + 3)
 
     def __iter__(self) -> LoaderRun:
         return LoaderRun(self)
@@ -225,21 +256,9 @@ class PackedLoader:
             yield pos, sid, locate(self.source, sid)
 
     def _buffer(self, shape: tuple[int, ...]) -> torch.Tensor:
-        """A hidden-state buffer: pinned (CUDA's host allocator caches those), or a pooled CPU one.
-
-        Fresh multi-megabyte CPU allocations cost a page fault per 4 KiB on first touch, several
-        times the copy itself, so buffers no batch references any more are reused.
-        """
-        if self.pin:
+        if self.pin:  # CUDA's caching host allocator reuses pinned blocks once their copies are done
             return torch.empty(shape, dtype=self.hidden_dtype, pin_memory=True)
-        for buf in self._buffers:  # a buffer is free when no view of it (no batch) is alive
-            if tuple(buf.shape) == shape and buf._use_count() == 1:
-                return buf.view(shape)
-        buf = torch.empty(shape, dtype=self.hidden_dtype)
-        if len(self._buffers) < self.pool_size:
-            self._buffers.append(buf)
-            return buf.view(shape)
-        return buf
+        return self.buffers.take(shape, self.hidden_dtype)
 
     def _refuse(self, sample_id: str, reason: str) -> None:
         self.refused.append(sample_id)

@@ -44,6 +44,7 @@ from spectrain.data import (
 )
 from spectrain.data import token_frequencies as count_tokens
 from spectrain.export import export_draft
+from spectrain.loader import BufferPool
 from spectrain.models.registry import DraftConfig, DraftModel, build_draft, get_config_class
 from spectrain.verifier import VerifierHeads
 
@@ -640,11 +641,13 @@ class Trainer:
         return plan
 
     def _loader(self, source: SampleSource, plan: list[str], start: int) -> PackedLoader:
+        if getattr(self, "_buffers", None) is None:  # one pool for every epoch and validation
+            self._buffers = BufferPool(self.cfg.grad_accum + 4)
         return PackedLoader(
             source, plan, start=start, total_seq_len=self.cfg.total_seq_len, layers=self.layer_index,
             hidden_dtype=self.hidden_dtype, num_workers=self.cfg.num_workers,
             pin_memory=self.device.type == "cuda", prefetch=self.cfg.prefetch, read_threads=self.cfg.read_threads,
-            ahead=self.cfg.grad_accum + 1, device=self.device,
+            ahead=self.cfg.grad_accum + 1, device=self.device, buffers=self._buffers,
         )  # fmt: skip
 
     def _autocast(self):

@@ -152,8 +152,10 @@ class ChecksumStream:
         self._h = hashlib.blake2b(digest_size=8)
         self._crc = 0
         self._left = 0
-        self._rows: list[bytes] = []
+        self._rows = np.zeros(0, dtype=np.uint64)  # one sum per whole block of the current array
+        self._done = 0  # blocks summed so far
         self._cols: np.ndarray | None = None
+        self._col = np.empty(CHECKSUM_BLOCK_WORDS, dtype=np.uint64)
         self._tail = b""
 
     def begin(self, nbytes: int) -> None:
@@ -163,6 +165,8 @@ class ChecksumStream:
         if self.algorithm == "bsum64":
             self._h.update(nbytes.to_bytes(8, "little"))
             self._cols = np.zeros(CHECKSUM_BLOCK_WORDS, dtype=np.uint64)
+            self._rows = np.empty(nbytes // self.BLOCK, dtype=np.uint64)
+            self._done = 0
 
     def update(self, data) -> None:
         """Feed the next bytes of the current array."""
@@ -180,20 +184,21 @@ class ChecksumStream:
             )
         if full:
             blocks = np.frombuffer(b[: full * self.BLOCK], dtype="<u8").reshape(full, CHECKSUM_BLOCK_WORDS)
-            self._rows.append(blocks.sum(axis=1, dtype=np.uint64).astype("<u8").tobytes())
-            self._cols += blocks.sum(axis=0, dtype=np.uint64)
+            np.add.reduce(blocks, axis=1, out=self._rows[self._done : self._done + full])
+            np.add.reduce(blocks, axis=0, out=self._col)
+            self._cols += self._col  # type: ignore[operator]
+            self._done += full
         self._tail = bytes(b[full * self.BLOCK :])
 
     def _finish(self) -> None:
         if self._left:
             raise ValueError(f"array ended {self._left} bytes early")
         if self.algorithm == "bsum64" and self._cols is not None:
-            for r in self._rows:
-                self._h.update(r)
-            if self._rows:
-                self._h.update(self._cols.astype("<u8").tobytes())
+            if self._done:
+                self._h.update(self._rows.astype("<u8", copy=False).tobytes())
+                self._h.update(self._cols.astype("<u8", copy=False).tobytes())
             self._h.update(self._tail)
-            self._rows, self._cols, self._tail = [], None, b""
+            self._cols, self._tail = None, b""
 
     def hexdigest(self) -> str:
         """The checksum string (``"bsum64:..."`` or ``"crc32:..."``) of everything fed."""
