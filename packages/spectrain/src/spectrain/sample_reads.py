@@ -133,6 +133,8 @@ def verify_sample_read(store: HiddenStateStore, sample_id: str, hidden: np.ndarr
 
     try:
         store.read_into(sample_id, hidden, token_ids, loss_mask, verify=verify)
+    except KeyError as e:  # deleted since it was located
+        raise SampleRefused(f"store {store.path}: {e.args[0] if e.args else e}") from e
     except (StoreError, OSError, EOFError) as e:
         raise SampleRefused(f"store {store.path}: {e}") from e
 
