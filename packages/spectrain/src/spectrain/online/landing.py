@@ -90,9 +90,8 @@ class Lander:
             with stores.store_lock:
                 stores.store.refresh()  # type: ignore[union-attr]
                 landed = sample_id in stores.store  # type: ignore[operator]  # a concurrent hsgen generate landed it
-        if not landed:
-            with stores.store_lock if cache else stores.scratch_lock:
-                writer.add(sample_id, fetched.hidden_states, fetched.token_ids, fetched.loss_mask)
+        if not landed:  # writers and deletions all run on the I/O thread: no lock needed against them
+            writer.add(sample_id, fetched.hidden_states, fetched.token_ids, fetched.loss_mask)
         with ledger.cond:
             ledger.inflight.pop(sample_id, None)
             ledger.buffered[sample_id] = size
@@ -137,8 +136,8 @@ class Lander:
             ids = list(ledger.buffered)
         if not ids:
             return
+        records = writer.flush()  # the long part (the shard's bytes) holds no lock the trainer's reads need
         with stores.store_lock if cache else stores.scratch_lock:
-            records = writer.flush()
             (stores.store if cache else stores.scratch).refresh()  # type: ignore[union-attr]
         with ledger.cond:
             for sid in ids:

@@ -188,7 +188,7 @@ class SampleLedger:
                 if ep is not None:
                     ep.consumed.add(sid)
                 self.metrics.samples_consumed += 1
-                self.held.pop(sid, None)
+                self.release_held(sid)
             now = time.monotonic()
             gap = now - self.last_consumed
             self.step_interval = gap if not self.step_interval else 0.8 * self.step_interval + 0.2 * gap
@@ -203,8 +203,14 @@ class SampleLedger:
             if self.epoch is not None:
                 self.epoch.skipped.update(sample_ids)
             for sid in sample_ids:
-                self.held.pop(sid, None)
+                self.release_held(sid)
             self.metrics.samples_skipped += len(sample_ids)
+
+    def release_held(self, sample_id: str | None = None) -> None:
+        """Drop a sample held in memory (None: all of them); caller holds the lock."""
+        for sid in list(self.held) if sample_id is None else [sample_id]:
+            if self.held.pop(sid, None) is not None and self.ready.get(sid) == "memory":
+                del self.ready[sid]
 
     # ------------------------------------------------------------------ fetch side
 

@@ -159,7 +159,7 @@ class OnlineSource:
             self._io.submit(self.retention.delete_consumed_shards).result()
         with self.ledger.cond:
             if self.ledger.begin_epoch(epoch, ids):
-                self.ledger.held.clear()  # read-once samples of the old epoch are not trained now
+                self.ledger.release_held()  # read-once samples of the old epoch are not trained now
                 self.stores.refresh_main()
         return list(ids)
 
@@ -199,7 +199,7 @@ class OnlineSource:
         self._closed = True
         with self.ledger.cond:
             self.ledger.closed = True
-            self.ledger.held.clear()
+            self.ledger.release_held()
             self.ledger.cond.notify_all()
         self.fetcher.stop()
         try:
