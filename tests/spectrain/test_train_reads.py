@@ -34,6 +34,7 @@ def test_training_skips_a_nan_filled_sample_and_exports_finite_weights(
     )  # fmt: skip
     summary = train(cfg)
     assert summary["loss"] is not None and np.isfinite(summary["loss"])
+    assert summary["samples_refused"] == 1
     weights = load_file(str(tmp_path / "run" / summary["checkpoint"].split("/")[-1] / "model.safetensors"))
     assert all(torch.isfinite(w.float()).all() for w in weights.values())
     assert any(repr(sid) in r.message and "checksum" in r.message for r in caplog.records)

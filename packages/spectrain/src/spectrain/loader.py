@@ -101,37 +101,12 @@ def sample_to_item(sample: Sample, position: int, layers: Sequence[int] | None, 
     )
 
 
-_LOGICAL = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
-
-
-@dataclass
-class _ItemRead:
-    """A worker's item (already truncated and layer-selected) as a :class:`SampleRead`."""
-
-    item: _Item
-
-    @property
-    def sample_id(self) -> str:
-        return self.item.sample_id
-
-    @property
-    def length(self) -> int:
-        return int(self.item.token_ids.shape[0])  # type: ignore[union-attr]
-
-    @property
-    def dtype(self) -> str:
-        return _LOGICAL[self.item.hidden.dtype]  # type: ignore[union-attr]
-
-    @property
-    def row_shape(self) -> tuple[int, int]:
-        return tuple(self.item.hidden.shape[1:])  # type: ignore[union-attr, return-value]
-
-    def read_into(self, hidden: np.ndarray, token_ids: np.ndarray, loss_mask: np.ndarray) -> None:
-        h = self.item.hidden
-        raw = h.view(torch.int16) if h.dtype == torch.bfloat16 else h  # type: ignore[union-attr]
-        np.copyto(hidden, raw.numpy().view(hidden.dtype))
-        np.copyto(token_ids, self.item.token_ids.numpy())  # type: ignore[union-attr]
-        np.copyto(loss_mask, self.item.loss_mask.numpy().astype(np.uint8))  # type: ignore[union-attr]
+def _item_read(item: _Item) -> ArrayRead:
+    """A worker's item (already truncated and layer-selected) as a read of its arrays."""
+    h = item.hidden
+    dtype = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[h.dtype]  # type: ignore[union-attr]
+    raw = h.view(torch.int16).numpy().view(np.uint16) if dtype == "bfloat16" else h.numpy()  # type: ignore[union-attr]
+    return ArrayRead(item.sample_id, raw, item.token_ids.numpy(), item.loss_mask.numpy(), dtype)  # type: ignore[union-attr]
 
 
 def _identity(x):
@@ -144,7 +119,7 @@ def locate(source: Any, sample_id: str) -> SampleRead | None:
     if fn is not None:
         return fn(sample_id)
     sample = source.get(sample_id)
-    return None if sample is None else ArrayRead(sample)
+    return None if sample is None else ArrayRead.of(sample)
 
 
 class BufferPool:
@@ -249,7 +224,7 @@ class PackedLoader:
                 multiprocessing_context="fork" if torch.multiprocessing.get_start_method() == "fork" else None,
             )  # fmt: skip
             for item in dl:
-                yield item.position, item.sample_id, None if item.token_ids is None else _ItemRead(item)
+                yield item.position, item.sample_id, None if item.token_ids is None else _item_read(item)
             return
         for pos in range(self.start, len(self.plan)):
             sid = self.plan[pos]

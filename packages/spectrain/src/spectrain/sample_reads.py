@@ -21,7 +21,7 @@ import torch
 from spectrain.batch import TORCH_DTYPES, numpy_view
 
 if TYPE_CHECKING:
-    from hsgen.store import HiddenStateStore, Sample
+    from hsgen.store import HiddenStateStore
 
 STORAGE = {"bfloat16": np.dtype(np.uint16), "float16": np.dtype(np.float16), "float32": np.dtype(np.float32)}
 """Logical dtype -> numpy dtype the bytes are handled as (bf16 as raw uint16 bits)."""
@@ -56,41 +56,57 @@ class SampleRead(Protocol):
 
 @dataclass
 class ArrayRead:
-    """A sample already in memory (a :class:`hsgen.store.Sample` from a source's ``get``)."""
+    """A sample already in memory: a :class:`hsgen.store.Sample` from a source's ``get``, a
+    worker's tensors, or a fetched sample as the client mapped the server's file.
 
-    sample: Sample
+    With ``check_finite`` the values are checked piece by piece as they are copied (a fetched
+    sample whose client skipped that pass); ``origin`` names where they came from in the refusal.
+    """
 
-    @property
-    def sample_id(self) -> str:
-        return self.sample.sample_id
+    sample_id: str
+    hidden: np.ndarray  # [T, L, H] storage dtype (T >= length)
+    token_ids: np.ndarray
+    loss_mask: np.ndarray | None
+    dtype: str
+    check_finite: bool = False
+    origin: str = ""
+
+    @classmethod
+    def of(cls, sample, **kw) -> ArrayRead:
+        """From anything with ``sample_id``, ``hidden_states``, ``token_ids``, ``loss_mask``, ``dtype``."""
+        return cls(
+            sample.sample_id, sample.hidden_states, sample.token_ids, sample.loss_mask, sample.dtype, **kw
+        )
 
     @property
     def length(self) -> int:
-        return int(self.sample.token_ids.shape[0])
-
-    @property
-    def dtype(self) -> str:
-        return self.sample.dtype
+        return int(self.token_ids.shape[0])
 
     @property
     def row_shape(self) -> tuple[int, int]:
-        return tuple(self.sample.hidden_states.shape[1:])  # type: ignore[return-value]
+        return tuple(self.hidden.shape[1:])  # type: ignore[return-value]
 
     def read_into(self, hidden: np.ndarray, token_ids: np.ndarray, loss_mask: np.ndarray) -> None:
-        hs = self.sample.hidden_states
-        if hs.ndim != 3 or hs.shape[0] < self.length:
+        if self.hidden.ndim != 3 or self.hidden.shape[0] < self.length:
             raise ValueError(
-                f"sample {self.sample_id!r}: hidden states {tuple(hs.shape)} do not match {self.length} tokens"
+                f"sample {self.sample_id!r}: hidden states {tuple(self.hidden.shape)} do not match "
+                f"{self.length} tokens"
             )
-        np.copyto(
-            hidden, hs[: self.length].view(hidden.dtype) if hs.dtype != hidden.dtype else hs[: self.length]
-        )
-        np.copyto(token_ids, self.sample.token_ids)
-        mask = self.sample.loss_mask
-        if mask is None:
+        src = self.hidden[: self.length].reshape(-1).view(hidden.dtype)
+        dst = hidden.reshape(-1)
+        step = dst.size if not self.check_finite else max(1, PIECE_BYTES // dst.itemsize)
+        for lo in range(0, dst.size, step):
+            piece = dst[lo : lo + step]
+            np.copyto(piece, src[lo : lo + step])
+            if self.check_finite and not all_finite(piece, self.dtype):  # checked while in cache
+                raise SampleRefused(
+                    f"sample {self.sample_id!r} from {self.origin or 'memory'}: hidden states contain NaN or Inf"
+                )
+        np.copyto(token_ids, self.token_ids)
+        if self.loss_mask is None:
             loss_mask[...] = 1
         else:
-            np.copyto(loss_mask, np.asarray(mask[: self.length]).astype(np.uint8, copy=False))
+            np.copyto(loss_mask, np.asarray(self.loss_mask[: self.length]).astype(np.uint8, copy=False))
 
 
 @dataclass

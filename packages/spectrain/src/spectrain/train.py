@@ -674,12 +674,14 @@ class Trainer:
         win_tokens, win_wait, win_time, win_steps, win_flops = 0, 0.0, 0.0, 0, 0.0
         last_loss: float | None = None  # None (JSON null) when this run took no step
         last_saved = -1
+        refused = 0
         stop = False
         summary: dict[str, Any] = {}
         try:
             while self.epoch < cfg.epochs and not stop:
                 plan = self._plan(self.epoch)
-                batches = iter(self._loader(self.source, plan, self.position))
+                loader = self._loader(self.source, plan, self.position)
+                batches = iter(loader)
                 while True:
                     if self._limit_reached():
                         stop = True
@@ -730,6 +732,7 @@ class Trainer:
                         self.save()
                         last_saved = self.global_step
                 batches.close()
+                refused += len(loader.refused)
                 if stop:
                     break
                 self._skip_rest(plan)
@@ -750,6 +753,8 @@ class Trainer:
                 "checkpoint": str(self.last_checkpoint),
             }
         )
+        if refused:
+            summary["samples_refused"] = refused  # failed their check as read: skipped (warnings name them)
         stats = getattr(self.source, "stats", None)
         if callable(stats):  # online: samples generated, read, failed (see the failures file)
             summary["data"] = stats()

@@ -385,7 +385,9 @@ class ShardReader:
             view = memoryview(hidden).cast("B")
             fd = self._fd("hidden_states/c/0/0/0")
             step = max(C.ChecksumStream.BLOCK, piece_bytes // C.ChecksumStream.BLOCK * C.ChecksumStream.BLOCK)
-            if stream is not None:
+            if stream is None:
+                step = max(step, len(view))  # nothing to check: one read
+            else:
                 stream.begin(len(view))
             for lo in range(0, len(view), step):
                 piece = view[lo : lo + step]

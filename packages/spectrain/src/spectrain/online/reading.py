@@ -11,54 +11,15 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
-from typing import Any
-
-import numpy as np
 
 from hsgen.store import Sample, StoreError
 from spectrain.online.ledger import SampleLedger
 from spectrain.online.metrics import OnlineMetrics
 from spectrain.online.retention import Retention
 from spectrain.online.stores import OnlineStores
-from spectrain.sample_reads import PIECE_BYTES, SampleRead, SampleRefused, StoreRead, all_finite
+from spectrain.sample_reads import ArrayRead, SampleRead, StoreRead, all_finite
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class HeldRead:
-    """A fetched sample held in memory (the client's mapping of the server's file), read once."""
-
-    sample_id: str
-    fetched: Any
-
-    @property
-    def length(self) -> int:
-        return int(self.fetched.token_ids.shape[0])
-
-    @property
-    def dtype(self) -> str:
-        return self.fetched.dtype
-
-    @property
-    def row_shape(self) -> tuple[int, int]:
-        return tuple(self.fetched.hidden_states.shape[1:])  # type: ignore[return-value]
-
-    def read_into(self, hidden: np.ndarray, token_ids: np.ndarray, loss_mask: np.ndarray) -> None:
-        src = self.fetched.hidden_states.reshape(-1)
-        dst = hidden.reshape(-1)
-        step = max(1, PIECE_BYTES // dst.itemsize)
-        for lo in range(0, dst.size, step):
-            piece = dst[lo : lo + step]
-            np.copyto(piece, src[lo : lo + step].view(dst.dtype))
-            if not all_finite(piece, self.dtype):  # checked while the piece is in cache
-                raise SampleRefused(
-                    f"sample {self.sample_id!r} from {self.fetched.endpoint or 'the server'}: hidden states "
-                    "contain NaN or Inf"
-                )
-        np.copyto(token_ids, self.fetched.token_ids)
-        np.copyto(loss_mask, self.fetched.loss_mask)
 
 
 class SampleReader:
@@ -111,17 +72,18 @@ class SampleReader:
                 setattr(self.metrics, kind, getattr(self.metrics, kind) + 1)
 
     def _held(self, sample_id: str):
+        """The fetched sample held in memory (KeyError when it is not held any more)."""
         with self.ledger.lock:
             entry = self.ledger.held.get(sample_id)
-        return None if entry is None else entry[0]
+        if entry is None:
+            raise KeyError(f"sample {sample_id!r} is no longer held")
+        return entry[0]
 
     def _read(self, sample_id: str, loc: str) -> Sample | None:
         stores = self.stores
         try:
             if loc == "memory":
                 fetched = self._held(sample_id)
-                if fetched is None:
-                    raise KeyError(f"sample {sample_id!r} is no longer held")
                 if not all_finite(fetched.hidden_states, fetched.dtype):
                     self.ledger.fail(sample_id, "non_finite: hidden states contain NaN or Inf")
                     return None
@@ -145,9 +107,7 @@ class SampleReader:
         try:
             if loc == "memory":
                 fetched = self._held(sample_id)
-                if fetched is None:
-                    raise KeyError(f"sample {sample_id!r} is no longer held")
-                return HeldRead(sample_id, fetched)
+                return ArrayRead.of(fetched, check_finite=True, origin=fetched.endpoint or "the server")
             if loc == "store":
                 with stores.store_lock:
                     length = stores.store.record(sample_id).length  # type: ignore[union-attr]
