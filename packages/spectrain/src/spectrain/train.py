@@ -44,6 +44,7 @@ from spectrain.data import (
 )
 from spectrain.data import token_frequencies as count_tokens
 from spectrain.export import export_draft
+from spectrain.loader import BufferPool
 from spectrain.models.registry import DraftConfig, DraftModel, build_draft, get_config_class
 from spectrain.verifier import VerifierHeads
 
@@ -115,7 +116,13 @@ class TrainConfig:
     are memory copies; use workers for lz4/fp8 stores whose decoding needs CPU). Sources that are
     not worker-safe always read in a thread."""
     prefetch: int = 8
-    """Samples read ahead."""
+    """Samples read ahead by DataLoader workers (``num_workers > 0``)."""
+    read_threads: int = 2
+    """Threads reading samples straight into the packed (pinned) sequence buffers; the loader
+    prepares ``grad_accum + 1`` sequences ahead of the step, off the training thread."""
+    verify_samples: bool = True
+    """Check each stored sample's checksum as it is read; a bad sample is skipped with a warning
+    naming store, shard and sample (``hsgen verify STORE`` lists them all)."""
     log_every: int = 10
     tensorboard: bool = False
     device: str = "auto"
@@ -340,7 +347,7 @@ def build_source(cfg: TrainConfig, info: DistInfo, split: str = "train") -> Samp
 
         return OnlineSource(cfg, rank=info.rank, world_size=info.world_size)
     return StoreSource(cfg.store, split=split, val_fraction=cfg.val_fraction, seed=cfg.seed, rank=info.rank,
-                       world_size=info.world_size)  # fmt: skip
+                       world_size=info.world_size, verify=cfg.verify_samples)  # fmt: skip
 
 
 def _gather(obj: Any, info: DistInfo) -> list[Any]:
@@ -537,7 +544,8 @@ class Trainer:
                 self.val_source = getter()
             elif isinstance(self.source, StoreSource):
                 self.val_source = StoreSource(self.source.path, split="validation", val_fraction=cfg.val_fraction,
-                                              seed=cfg.seed, rank=self.info.rank, world_size=self.info.world_size)  # fmt: skip
+                                              seed=cfg.seed, rank=self.info.rank, world_size=self.info.world_size,
+                                              verify=cfg.verify_samples)  # fmt: skip
         self._check_there_is_data()
 
         self.resume_dir = find_resume(cfg)
@@ -721,10 +729,13 @@ class Trainer:
         return plan
 
     def _loader(self, source: SampleSource, plan: list[str], start: int) -> PackedLoader:
+        if getattr(self, "_buffers", None) is None:  # one pool for every epoch and validation
+            self._buffers = BufferPool(self.cfg.grad_accum + 4)
         return PackedLoader(
             source, plan, start=start, total_seq_len=self.cfg.total_seq_len, layers=self.layer_index,
             hidden_dtype=self.hidden_dtype, num_workers=self.cfg.num_workers,
-            pin_memory=self.device.type == "cuda", prefetch=self.cfg.prefetch,
+            pin_memory=self.device.type == "cuda", prefetch=self.cfg.prefetch, read_threads=self.cfg.read_threads,
+            ahead=self.cfg.grad_accum + 1, device=self.device, buffers=self._buffers,
         )  # fmt: skip
 
     def _autocast(self):
@@ -751,12 +762,14 @@ class Trainer:
         win_tokens, win_wait, win_time, win_steps, win_flops = 0, 0.0, 0.0, 0, 0.0
         last_loss: float | None = None  # None (JSON null) when this run took no step
         last_saved = -1
+        refused = 0
         stop = False
         summary: dict[str, Any] = {}
         try:
             while self.epoch < cfg.epochs and not stop:
                 plan = self._plan(self.epoch)
-                batches = iter(self._loader(self.source, plan, self.position))
+                loader = self._loader(self.source, plan, self.position)
+                batches = iter(loader)
                 while True:
                     if self._limit_reached():
                         stop = True
@@ -810,6 +823,8 @@ class Trainer:
                     if cfg.save_every and self.global_step % cfg.save_every == 0:
                         self.save()
                         last_saved = self.global_step
+                batches.close()
+                refused += len(loader.refused)
                 if stop:
                     break
                 self._skip_rest(plan)
@@ -831,6 +846,8 @@ class Trainer:
                 "nonfinite_steps_skipped": self.nonfinite_skipped,
             }
         )
+        if refused:
+            summary["samples_refused"] = refused  # failed their check as read: skipped (warnings name them)
         stats = getattr(self.source, "stats", None)
         if callable(stats):  # online: samples generated, read, failed (see the failures file)
             summary["data"] = stats()
@@ -964,6 +981,7 @@ class Trainer:
                 _, metrics = self.module(b, step_generator(self.cfg.seed, 0, self.info.rank, n))
             sums.add(metrics)
             n += 1
+        batches.close()
         rec = {"split": "validation", "step": self.global_step, "epoch": self.epoch, "sequences": n,
                **sums.summary(self.info)}  # fmt: skip
         self.metrics.write(rec)

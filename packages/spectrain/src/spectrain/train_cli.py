@@ -26,8 +26,8 @@ TRAIN_FLAGS = (
     "lr", "min_lr_ratio", "schedule", "warmup_steps", "warmup_ratio", "weight_decay", "max_grad_norm",
     "max_nonfinite_steps",
     "total_seq_len", "grad_accum", "seed", "val_fraction", "val_every", "val_max_sequences", "save_every",
-    "keep_checkpoints", "resume", "num_workers", "prefetch", "log_every", "device", "precision", "distributed",
-    "vocab_scan_samples", "prompts", "chat_template",
+    "keep_checkpoints", "resume", "num_workers", "prefetch", "read_threads", "verify_samples", "log_every", "device",
+    "precision", "distributed", "vocab_scan_samples", "prompts", "chat_template",
 )  # fmt: skip
 
 
@@ -152,7 +152,13 @@ def build_train_config(params: dict[str, Any]):
 @click.option(
     "--num-workers", type=int, help="DataLoader reader processes; 0 = a prefetch thread (default 0)."
 )
-@click.option("--prefetch", type=int, help="Samples read ahead (default 8).")
+@click.option("--prefetch", type=int, help="Samples read ahead by --num-workers processes (default 8).")
+@click.option("--read-threads", type=int, help="Threads reading samples into the packed buffers (default 2).")
+@click.option(
+    "--verify-samples/--no-verify-samples",
+    default=None,
+    help="Check each sample's checksum as it is read; bad ones are skipped (default on).",
+)
 @click.option("--log-every", type=int, help="Steps per metrics.jsonl record (default 10).")
 @click.option("--tensorboard", is_flag=True, default=False, help="Also log to <save-path>/tensorboard.")
 @click.option("--device", help="auto | cuda | cpu (default auto).")

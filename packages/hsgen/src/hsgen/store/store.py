@@ -10,6 +10,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+import numpy as np
+
 from .errors import StoreError, StoreHeaderMismatch
 from .fsutil import atomic_write_exclusive, failpoint, fsync_dir
 from .header import FORMAT_VERSION, StoreHeader
@@ -251,6 +253,35 @@ class HiddenStateStore:
             record = SampleRecord(sid, info.name, offset, length, checksum)
             check_sample(record, hidden, token_ids, loss_mask, scale, store=str(self.path))
         return Sample(sid, reader.decode(hidden, scale), token_ids, loss_mask, self.header.dtype)
+
+    def read_into(
+        self, sample_id: str, hidden: np.ndarray, token_ids: np.ndarray, loss_mask: np.ndarray, *,
+        verify: bool = False,
+    ) -> SampleRecord:  # fmt: skip
+        """Read one live sample straight into the caller's buffers (no intermediate copy for raw shards).
+
+        Args:
+            sample_id: the sample (KeyError if absent).
+            hidden: ``[length, L, H]`` C-contiguous, in the storage dtype (uint16 for bfloat16).
+            token_ids: ``[length]`` int64.
+            loss_mask: ``[length]`` uint8.
+            verify: check the checksum as the bytes land (StoreError naming store, shard and sample).
+
+        Returns:
+            The sample's manifest record.
+        """
+        info, i = self._lookup(sample_id)
+        sid, offset, length, checksum = info.rows[i]
+        entry = self._acquire(info.name)
+        try:
+            got = entry.reader.read_into(
+                offset, length, hidden, token_ids, loss_mask, checksum=checksum if verify else None
+            )
+        finally:
+            self._release(entry)
+        if verify and got != checksum:
+            raise StoreError(f"{self.path / info.name}: sample {sid!r} checksum {got} != manifest {checksum}")
+        return SampleRecord(sid, info.name, offset, length, checksum)
 
     def read_many(self, sample_ids: Iterable[str], *, verify: bool = True) -> list[Sample]:
         """Read several samples (in the order given), grouping the reads per shard; ``verify`` as :meth:`read`."""
