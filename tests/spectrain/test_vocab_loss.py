@@ -75,16 +75,17 @@ def test_fp32_equals_eager(mode, train_head, keep, chunk):
 @pytest.mark.parametrize("chunk", [6, 37])
 def test_bf16_autocast_close_to_eager(mode, train_head, keep, chunk):
     """Under bf16 autocast both paths run the same bf16 matmuls and fp32 softmax; the chunked
-    one differs only by rounding order: 1e-3 relative on values (measured ~1e-7), 2e-2 on
-    gradients (bf16 has 8 mantissa bits; the trainable head's gradient sums chunks in fp32)."""
+    one rounds in another order (it scales the row gradient after the bf16 matmul, and sums the
+    head gradient over chunks in fp32). Measured: values within 5e-6 relative, gradients within
+    4e-3 (bf16's epsilon is 3.9e-3); asserted: 1e-4 and 1e-2."""
     ref = _run(eager, mode, train_head, True)
     got = _run(vocab_loss, mode, train_head, True, chunk_rows=chunk, keep_logit_grads=keep)
     assert got[0].dtype == torch.float32
-    assert _rel(got[0], ref[0]) < 1e-3
+    assert _rel(got[0], ref[0]) < 1e-4
     assert (got[1] == ref[1]).float().mean() > 0.95 and torch.equal(got[2], ref[2])
-    assert _rel(got[3], ref[3]) < 2e-2
+    assert _rel(got[3], ref[3]) < 1e-2
     if train_head:
-        assert _rel(got[4], ref[4]) < 2e-2
+        assert _rel(got[4], ref[4]) < 1e-2
 
 
 def test_no_grad_and_float64():
