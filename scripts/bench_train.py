@@ -85,10 +85,14 @@ def synthetic_verifier(shape: dict, device: torch.device, dtype: torch.dtype):
         intermediate_size=shape["inter"], rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=40960,
         tie_word_embeddings=False,
     )  # fmt: skip
-    g = torch.Generator().manual_seed(0)
-    emb = (torch.randn(shape["vocab"], shape["hidden"], generator=g) * 0.02).to(dtype)
-    head = (torch.randn(shape["vocab"], shape["hidden"], generator=g) * 0.02).to(dtype)
-    return VerifierHeads(info, emb, torch.ones(shape["hidden"], dtype=dtype), head).to(device)
+    device = torch.device(device)
+    g = torch.Generator(device=device).manual_seed(
+        0
+    )  # drawn where they live: 2 x 622M normals at the reference
+    V, H = shape["vocab"], shape["hidden"]
+    emb = (torch.randn(V, H, generator=g, device=device) * 0.02).to(dtype)
+    head = (torch.randn(V, H, generator=g, device=device) * 0.02).to(dtype)
+    return VerifierHeads(info, emb, torch.ones(H, dtype=dtype, device=device), head)
 
 
 def doc_lengths(seq: int, layout: str, docs: int, seed: int = 0) -> list[int]:
@@ -132,9 +136,10 @@ def build(name: str, opts: dict, shape: dict, device, heads_dtype):
     from spectrain.models import build_draft, get_config_class
 
     heads = synthetic_verifier(shape, device, heads_dtype)
-    model = build_draft(get_config_class(name)(aux_layer_ids=AUX_LAYERS, **opts), heads)
+    with torch.device(device):  # parameters initialised on the device (1B of them for DFlash)
+        model = build_draft(get_config_class(name)(aux_layer_ids=AUX_LAYERS, **opts), heads)
     if name == "eagle3":
-        model.prepare(torch.arange(shape["vocab"], dtype=torch.float64, device=device))
+        model.prepare(torch.arange(shape["vocab"], dtype=torch.float64))
     if next(model.parameters()).device != torch.device(device):
         model.to(device)  # (fake tensors cannot be swapped in place, so only when it moves)
     return model.train(), heads
