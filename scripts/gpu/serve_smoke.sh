@@ -16,18 +16,7 @@ head -n 8 "$CHATS" > "$WORK/chats.jsonl"
   --port "$PORT" > "$WORK/serve.log" 2>&1 &
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null || true; wait $SERVER 2>/dev/null || true' EXIT
-"$PY" - "$PORT" "$SERVER" <<'PY'
-import os, sys, time, urllib.request
-port, pid = sys.argv[1], int(sys.argv[2])
-for _ in range(300):
-    try:
-        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
-        sys.exit(0)
-    except OSError:
-        os.kill(pid, 0)
-        time.sleep(0.1)
-sys.exit("server did not become healthy")
-PY
+"$PY" "$(dirname "$0")/../wait_healthy.py" "$PORT" "$SERVER" 30
 T0=$(date +%s.%N)
 "$PY" -m hsgen.cli generate "$WORK/chats.jsonl" --endpoint "http://127.0.0.1:$PORT" --shared-dir "$WORK/shared" \
   --store "$WORK/store" --layer-ids "$LAYERS" --tokenizer "$MODEL" --max-len 1024 > "$WORK/generate.json"

@@ -26,6 +26,8 @@ fp32. Peak extra memory is about three fp32 ``[chunk_rows, V]`` tensors.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
@@ -96,17 +98,17 @@ def vocab_loss(
     return _ChunkedVocabLoss.apply(hidden, head_weight, target_hidden, target_head_weight, plan)
 
 
+@dataclasses.dataclass
 class _Plan:
     """Dtypes and chunking of one call (fixed before the autograd function runs)."""
 
-    def __init__(self, device_type, draft_dtype, target_dtype, acc_dtype, soft, rows):
-        self.device_type = device_type
-        self.draft_dtype = draft_dtype
-        self.target_dtype = target_dtype
-        self.acc_dtype = acc_dtype
-        self.soft = soft
-        self.rows = rows
-        self.keep = False
+    device_type: str
+    draft_dtype: torch.dtype
+    target_dtype: torch.dtype
+    acc_dtype: torch.dtype
+    soft: bool
+    rows: int
+    keep: bool = False
 
     @classmethod
     def of(cls, hidden, head_weight, target_head_weight, soft: bool, rows: int) -> _Plan:
