@@ -343,28 +343,21 @@ def mask_density(name: str, opts: dict, shape: dict, layout: str) -> dict:
 
 def plan_one(name: str, opts: dict, shape: dict, layout: str, variant: dict, density: dict) -> dict:
     """Plan one configuration of one draft (two steps under fake tensors)."""
-    import torch.nn.attention.flex_attention as flex
-
     from spectrain.accounting import account_steps, fake_tensors
 
     cfg = dict(opts, attention_backend="flex")
     if variant["freeze_lm_head"] is not None:
         cfg["freeze_lm_head"] = variant["freeze_lm_head"]
-    # fake tensors run no kernel; the CPU build only refuses FlexAttention's backward by device
-    check, flex._validate_device = flex._validate_device, lambda *a, **k: None
-    try:
-        with patched_loss(variant["loss"]), fake_tensors():
-            model, heads = build(name, cfg, shape, torch.device("cpu"), torch.bfloat16)
-            opt = make_optimizer(model, "adamw", fused=True)
-            batch = synthetic_batch(shape, 3, "cpu", layout, 1)
-            seeds = iter(range(100))
-            acct = account_steps(
-                lambda: train_step(model, opt, batch, "cpu", next(seeds)),
-                [model, opt, batch.hidden_states, batch.input_ids, heads.lm_head, heads.embed_tokens],
-                density,
-            )
-    finally:
-        flex._validate_device = check
+    with patched_loss(variant["loss"]), fake_tensors():
+        model, heads = build(name, cfg, shape, torch.device("cpu"), torch.bfloat16)
+        opt = make_optimizer(model, "adamw", fused=True)
+        batch = synthetic_batch(shape, 3, "cpu", layout, 1)
+        seeds = iter(range(100))
+        acct = account_steps(
+            lambda: train_step(model, opt, batch, "cpu", next(seeds)),
+            [model, opt, batch.hidden_states, batch.input_ids, heads.lm_head, heads.embed_tokens],
+            density,
+        )
     out = acct.summary()
     out["params_trainable_m"] = round(sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e6, 1)
     return out

@@ -11,8 +11,9 @@ with three of torch's tools watching:
 - :class:`WorstCaseShapes` answers the few data-dependent operations fake tensors cannot:
   ``nonzero`` and boolean indexing keep every element (an upper bound), a scalar read is 1.
 
-Attention is the one kernel replaced (:func:`attention_stand_in`): FlexAttention's backward does
-not exist on a CPU build of torch, even for fake tensors. The stand-in allocates what FlexAttention
+Attention is the one kernel replaced (:func:`attention_stand_in`): a CPU build of torch refuses
+FlexAttention's backward, even on fake tensors, and neither tool above follows its higher-order
+operator outside ``torch.compile``. The stand-in allocates what FlexAttention
 returns and keeps for backward (output, logsumexp, and q, k, v) and counts the FLOPs of the pairs
 the mask allows (``4 * heads * head_dim`` per pair forward, twice that backward, as
 ``torch.utils.flop_counter`` counts attention), with the mask's density measured on real index
