@@ -451,7 +451,7 @@ class MetricSums:
         out, i = {}, 0
         vals = {}
         for k, shape in shapes.items():
-            n = math.prod(shape)
+            n = torch.Size(shape).numel()
             vals[k] = flat[i : i + n].reshape(shape)
             i += n
         if "acc_correct" in vals:
