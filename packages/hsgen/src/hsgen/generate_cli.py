@@ -42,10 +42,14 @@ def _render_options(f):
     opts = [
         click.option(
             "--tokenizer",
-            type=click.Path(exists=True, file_okay=False, path_type=Path),
-            help="Local directory with the verifier's tokenizer.json and tokenizer_config.json "
-            "(a Hugging Face model directory). Needed for 'messages', 'conversations' and 'prompt' "
-            "records; pre-tokenized 'input_ids' records do not need it.",
+            help="The verifier's tokenizer: a local directory with tokenizer.json and tokenizer_config.json, "
+            "or a Hugging Face model id (e.g. Qwen/Qwen3-8B; only its tokenizer files are fetched, cache "
+            "first). Needed for 'messages', 'conversations' and 'prompt' records; pre-tokenized "
+            "'input_ids' records do not need it.",
+        ),
+        click.option(
+            "--revision",
+            help="Branch, tag or commit of a hub --tokenizer [default: main].",
         ),
         click.option(
             "--chat-template",
@@ -89,9 +93,14 @@ def _render_options(f):
     return f
 
 
-def _make_renderer(tokenizer, chat_template, template_kwargs, max_len, on_too_long):
+def _make_renderer(tokenizer, chat_template, template_kwargs, max_len, on_too_long, revision=None):
+    from hsgen.hub import HubError, resolve
     from hsgen.render import ChatRenderer, RenderConfig, RenderError
 
+    try:
+        tokenizer = resolve(tokenizer, revision=revision) if tokenizer else None
+    except HubError as e:
+        raise click.BadParameter(str(e), param_hint="--tokenizer") from None
     try:
         return ChatRenderer(
             RenderConfig(
@@ -133,8 +142,8 @@ def _make_renderer(tokenizer, chat_template, template_kwargs, max_len, on_too_lo
     help="With --server: render requests in flight.",
 )  # fmt: skip
 def render(
-    inputs, tokenizer, chat_template, template_kwargs, max_len, on_too_long, on_bad_input, log_level, output,
-    server, model, api_key, concurrency,
+    inputs, tokenizer, revision, chat_template, template_kwargs, max_len, on_too_long, on_bad_input, log_level,
+    output, server, model, api_key, concurrency,
 ):  # fmt: skip
     """Render conversations to token ids + loss masks, one JSON object per line.
 
@@ -173,7 +182,9 @@ def render(
             asyncio.run(_render_with_server(list(inputs), server, model, api_key, kwargs, max_len, on_too_long,
                                             on_bad_input, concurrency, emit))  # fmt: skip
         else:
-            renderer = _make_renderer(tokenizer, chat_template, template_kwargs, max_len, on_too_long)
+            renderer = _make_renderer(
+                tokenizer, chat_template, template_kwargs, max_len, on_too_long, revision
+            )
             fingerprint = renderer.fingerprint
             for item in render_stream(list(inputs), renderer, on_bad_input=on_bad_input):
                 emit(item)
@@ -405,6 +416,7 @@ def generate(
     verifier,
     codec,
     tokenizer,
+    revision,
     chat_template,
     template_kwargs,
     max_len,
@@ -456,7 +468,7 @@ def generate(
             ids = protocol.parse_layer_ids(layer_ids)
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint="--layer-ids") from None
-    renderer = _make_renderer(tokenizer, chat_template, template_kwargs, max_len, on_too_long)
+    renderer = _make_renderer(tokenizer, chat_template, template_kwargs, max_len, on_too_long, revision)
     store = _open_store(store_path, ids, renderer.fingerprint)
     if store is None and ids is None:
         raise click.UsageError(f"{store_path} is not a store yet: --layer-ids is needed to create it")

@@ -13,7 +13,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "export": ("spectrain.train_cli:export", "Export a training checkpoint as a directory vLLM serves."),
     "eval": ("spectrain.eval_cli:eval_command", "Measure acceptance length with real speculative decoding."),
-    "report": ("spectrain.report_cli:report", "Chart a run's metrics (and an eval) as PNGs and one HTML page."),
+    "report": (
+        "spectrain.report_cli:report",
+        "Chart a run's metrics (and an eval) as PNGs and one HTML page.",
+    ),
 }
 
 

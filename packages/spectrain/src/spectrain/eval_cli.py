@@ -44,20 +44,31 @@ def format_report(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def follow_latest(path: str) -> str:
+    """A training ``--save-path`` (holding ``latest``) -> its newest checkpoint; anything else as is."""
+    from pathlib import Path
+
+    latest = Path(path) / "latest"
+    if latest.is_file() and not (Path(path) / "config.json").is_file():
+        return str(Path(path) / latest.read_text().strip())
+    return path
+
+
 @click.command("eval", context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.option(
     "--draft",
     "draft_dir",
     required=True,
     type=click.Path(file_okay=False),
-    help="Exported draft directory (config.json + model.safetensors).",
+    help="Exported draft directory (config.json + model.safetensors), or a training --save-path "
+    "(its 'latest' checkpoint is used).",
 )
 @click.option(
     "--verifier",
     required=True,
-    type=click.Path(file_okay=False),
-    help="Local HF directory of the verifier model.",
+    help="The verifier: a local HF directory or a Hugging Face model id (resolved in the HF cache first).",
 )
+@click.option("--revision", default=None, help="Branch, tag or commit of a hub --verifier [default: main].")
 @click.option(
     "--prompts",
     "prompts_path",
@@ -85,11 +96,16 @@ def format_report(report: dict[str, Any]) -> str:
 )
 @click.option(
     "--dtype",
-    default="float64",
-    type=click.Choice(sorted(DTYPES)),
-    help="Verifier dtype (float64 keeps batched verification and greedy decoding bit-identical in practice).",
+    default="auto",
+    type=click.Choice(["auto", *sorted(DTYPES)]),
+    help="Verifier dtype; auto = float64 on CPU (batched verification and greedy decoding stay "
+    "bit-identical in practice), float32 on a GPU.",
 )
-@click.option("--device", default="cpu", help="Torch device for verifier and draft: cpu, cuda, cuda:1, ...")
+@click.option(
+    "--device",
+    default="auto",
+    help="Torch device for verifier and draft: auto (cuda if available), cpu, cuda:1, ...",
+)
 @click.option(
     "--torch-threads",
     default=0,
@@ -101,8 +117,8 @@ def format_report(report: dict[str, Any]) -> str:
 )
 @click.option("--progress/--no-progress", default=True, help="Progress bar on stderr.")
 @click.option("--log-level", default="WARNING", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]))
-def eval_command(draft_dir, verifier, prompts_path, max_new_tokens, num_prompts, num_speculative_tokens, dtype,
-                 device, torch_threads, as_json, progress, log_level) -> None:  # fmt: skip
+def eval_command(draft_dir, verifier, revision, prompts_path, max_new_tokens, num_prompts, num_speculative_tokens,
+                 dtype, device, torch_threads, as_json, progress, log_level) -> None:  # fmt: skip
     """Speculative decoding with greedy verification: tau, per-position acceptance, exactness.
 
     The verifier runs with transformers; the draft is loaded from the exported (vLLM) format.
@@ -126,6 +142,18 @@ def eval_command(draft_dir, verifier, prompts_path, max_new_tokens, num_prompts,
     )
     if torch_threads:
         torch.set_num_threads(torch_threads)
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if dtype == "auto":
+        dtype = "float64" if device == "cpu" else "float32"
+    draft_dir = follow_latest(draft_dir)
+    verifier_arg = verifier
+    try:
+        from hsgen.hub import HubError, resolve
+
+        verifier = str(resolve(verifier, revision=revision, need="full"))
+    except HubError as e:
+        raise click.BadParameter(str(e), param_hint="--verifier") from None
     try:
         proposer = load_exported_draft(draft_dir, verifier, device=device)
         ver, tokenizer = load_verifier(verifier, proposer.layer_ids, dtype=dtype, device=device)
@@ -149,7 +177,7 @@ def eval_command(draft_dir, verifier, prompts_path, max_new_tokens, num_prompts,
     result = {
         "draft": str(draft_dir),
         "algorithm": proposer.algorithm,
-        "verifier": str(verifier),
+        "verifier": str(verifier_arg),
         "layer_ids": list(proposer.layer_ids),
         "max_new_tokens": max_new_tokens,
         "verifier_dtype": dtype,

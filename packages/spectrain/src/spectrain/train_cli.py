@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import sys
+from pathlib import Path
 from typing import Any
 
 import click
@@ -41,6 +42,22 @@ def _parse_value(text: str) -> Any:
         return json.loads(text)
     except json.JSONDecodeError:
         return text
+
+
+def _resolve_verifier(data: dict[str, Any], revision: str | None) -> None:
+    """A hub id as ``verifier`` becomes its cached snapshot (only the heads' shards fetched) and,
+    unless given, the ``verifier_name`` the export names (what a bare ``vllm serve <draft>`` needs)."""
+    name = data.get("verifier")
+    if not name or Path(str(name)).expanduser().is_dir():
+        return
+    from hsgen.hub import HubError, resolve
+
+    try:
+        data["verifier"] = str(resolve(str(name), revision=revision, need="heads"))
+    except HubError as e:
+        raise click.BadParameter(str(e), param_hint="--verifier") from None
+    if not data.get("verifier_name"):
+        data["verifier_name"] = str(name)
 
 
 def build_train_config(params: dict[str, Any]):
@@ -87,6 +104,7 @@ def build_train_config(params: dict[str, Any]):
     if params.get("betas"):
         data["betas"] = [float(x) for x in params["betas"].split(",")]
     data["draft"] = draft
+    _resolve_verifier(data, params.get("revision"))
     where = params.get("config") or "command line"
     cfg = TrainConfig.from_dict(data, where=where)
     cfg.validate()
@@ -105,11 +123,14 @@ def build_train_config(params: dict[str, Any]):
 @click.option("--store", type=click.Path(file_okay=False), help="Hidden-state store directory.")
 @click.option(
     "--verifier",
-    type=click.Path(exists=True, file_okay=False),
-    help="Verifier HF directory (only embeddings, final norm, LM head are read).",
+    help="Verifier: a local HF directory or a hub id like Qwen/Qwen3-8B (only config, tokenizer, "
+    "embeddings, final norm and LM head are read, and fetched).",
 )
+@click.option("--revision", help="Branch, tag or commit of a hub --verifier [default: main].")
 @click.option(
-    "--verifier-name", help="speculators_config.verifier.name_or_path in exports (e.g. Qwen/Qwen3-8B)."
+    "--verifier-name",
+    help="speculators_config.verifier.name_or_path in exports [default: the hub id of --verifier, "
+    "else its _name_or_path].",
 )
 @click.option("--speculator-type", type=str, help="dflash | eagle3 (default dflash).")
 @click.option(
@@ -240,8 +261,7 @@ def train(**params: Any) -> None:
 @click.argument("out_dir", type=click.Path(file_okay=False))
 @click.option(
     "--verifier",
-    type=click.Path(exists=True, file_okay=False),
-    help="Verifier directory (default: the one trained with).",
+    help="Verifier directory or hub id (default: the one trained with).",
 )
 @click.option("--verifier-name", help="speculators_config.verifier.name_or_path (e.g. Qwen/Qwen3-8B).")
 def export(checkpoint: str, out_dir: str, verifier: str | None, verifier_name: str | None) -> None:
@@ -249,6 +269,11 @@ def export(checkpoint: str, out_dir: str, verifier: str | None, verifier_name: s
     _setup_logging()
     from spectrain.export import export_draft
     from spectrain.train import load_checkpoint_model
+
+    if verifier:
+        data = {"verifier": verifier}
+        _resolve_verifier(data, None)
+        verifier, verifier_name = data["verifier"], verifier_name or data.get("verifier_name")
 
     try:
         model, resolved = load_checkpoint_model(checkpoint, verifier)

@@ -18,8 +18,12 @@ READY_PREFIX = "hsgen serve: listening on "
 
 @click.command("serve", context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.option(
-    "--model", required=True, help="'tiny' (built-in, built offline) or a local HF causal-LM directory."
+    "--model",
+    required=True,
+    help="'tiny' (built-in, built offline), a local HF causal-LM directory, or a Hugging Face model id "
+    "(e.g. Qwen/Qwen3-8B: resolved in the HF cache first, honouring HF_HUB_OFFLINE and HF_HOME).",
 )
+@click.option("--revision", default=None, help="Branch, tag or commit of a hub --model [default: main].")
 @click.option(
     "--layers", required=True, help="vLLM layer ids to extract, e.g. '2,18,33,36' (L = last layer, pre-norm)."
 )
