@@ -14,6 +14,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "Check every sample's checksum and shape; non-zero exit on failure.",
     ),
     "gc": ("hsgen.store.cli:gc", "Remove orphaned temp files and deleted shards from a store."),
+    "stats": (
+        "hsgen.store.inspect_cli:stats",
+        "Token-length histogram, loss-mask coverage, samples per writer and shard.",
+    ),
+    "show": (
+        "hsgen.store.inspect_cli:show",
+        "One sample token by token: decoded text, loss mask, per-layer norms.",
+    ),
     "serve": (
         "hsgen.serve.cli:serve",
         "Run the reference hidden-state server (vLLM's protocol, transformers).",
