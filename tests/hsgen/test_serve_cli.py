@@ -53,7 +53,9 @@ def test_missing_model_dir_and_bad_layer_are_named(tmp_path):
     result = CliRunner().invoke(
         main, ["serve", "--model", str(tmp_path / "nope"), "--layers", "1", "--port", "0"]
     )
-    assert result.exit_code != 0 and "nope" in result.output and "nor a Hugging Face model id" in result.output
+    assert (
+        result.exit_code != 0 and "nope" in result.output and "nor a Hugging Face model id" in result.output
+    )
     result = CliRunner().invoke(
         main,
         [

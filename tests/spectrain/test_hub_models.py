@@ -7,9 +7,9 @@ import json
 
 import pytest
 import torch
-from _hub_util import lay_out_hub_cache, sharded_model_files
 from click.testing import CliRunner
 
+from _hub_util import lay_out_hub_cache, sharded_model_files
 from spectrain.cli import main
 from spectrain.train_cli import build_train_config
 from spectrain.verifier import VerifierHeads

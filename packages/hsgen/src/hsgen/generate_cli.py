@@ -93,6 +93,37 @@ def _render_options(f):
     return f
 
 
+def _dataset_options(f):
+    """``--split``, ``--max-samples`` and ``--streaming`` for inputs that are datasets."""
+    opts = [
+        click.option(
+            "--split",
+            default="train",
+            show_default=True,
+            help="Split read from a dataset input (a hub dataset id or a datasets directory).",
+        ),
+        click.option(
+            "--max-samples",
+            type=click.IntRange(min=1),
+            help="Rows read from each dataset input [default: all].",
+        ),
+        click.option(
+            "--streaming",
+            is_flag=True,
+            help="Stream a hub dataset's rows as they are consumed instead of downloading its files first.",
+        ),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+def _dataset_inputs(inputs, split, max_samples, streaming) -> list:
+    from hsgen.hf_datasets import as_input
+
+    return [as_input(x, split=split, max_samples=max_samples, streaming=streaming) for x in inputs]
+
+
 def _make_renderer(tokenizer, chat_template, template_kwargs, max_len, on_too_long, revision=None):
     from hsgen.hub import HubError, resolve
     from hsgen.render import ChatRenderer, RenderConfig, RenderError
@@ -117,6 +148,7 @@ def _make_renderer(tokenizer, chat_template, template_kwargs, max_len, on_too_lo
 
 @click.command("render")
 @click.argument("inputs", nargs=-1, required=True)
+@_dataset_options
 @_render_options
 @click.option(
     "-o",
@@ -142,12 +174,13 @@ def _make_renderer(tokenizer, chat_template, template_kwargs, max_len, on_too_lo
     help="With --server: render requests in flight.",
 )  # fmt: skip
 def render(
-    inputs, tokenizer, revision, chat_template, template_kwargs, max_len, on_too_long, on_bad_input, log_level,
-    output, server, model, api_key, concurrency,
+    inputs, split, max_samples, streaming, tokenizer, revision, chat_template, template_kwargs, max_len, on_too_long,
+    on_bad_input, log_level, output, server, model, api_key, concurrency,
 ):  # fmt: skip
     """Render conversations to token ids + loss masks, one JSON object per line.
 
-    INPUTS are JSONL, JSON or Parquet files, or '-' for JSONL on stdin, holding OpenAI
+    INPUTS are JSONL, JSON or Parquet files, '-' for JSONL on stdin, a datasets directory or a
+    Hugging Face dataset id (--split, --max-samples, --streaming), holding OpenAI
     'messages', ShareGPT 'conversations', pre-tokenized 'input_ids' (+ 'loss_mask') or plain
     'prompt' records. Each output line is {"id", "input_ids", "loss_mask"}, which
     'hsgen generate -' reads back: hsgen render data.jsonl --tokenizer DIR | hsgen generate - ...
@@ -158,6 +191,7 @@ def render(
     from hsgen.render import RenderError, render_stream
 
     _setup_logging(log_level)
+    inputs = _dataset_inputs(inputs, split, max_samples, streaming)
     if server and (tokenizer or chat_template):
         raise click.UsageError(
             "--server renders with the server's tokenizer and template: drop --tokenizer/--chat-template"
@@ -230,6 +264,7 @@ async def _render_with_server(
 
 @click.command("generate")
 @click.argument("inputs", nargs=-1, required=True)
+@_dataset_options
 @click.option(
     "--store",
     "store_path",
@@ -407,6 +442,9 @@ async def _render_with_server(
 )
 def generate(
     inputs,
+    split,
+    max_samples,
+    streaming,
     store_path,
     endpoints,
     shared_dir,
@@ -447,8 +485,8 @@ def generate(
 ):
     """Fetch hidden states for the prompts in INPUTS from vLLM servers into a store.
 
-    INPUTS are dataset files (JSONL, JSON, Parquet) or '-' for JSONL on stdin (e.g. the output
-    of 'hsgen render'). Re-running resumes: samples already in the store are skipped.
+    INPUTS are dataset files (JSONL, JSON, Parquet), '-' for JSONL on stdin (e.g. the output
+    of 'hsgen render'), a datasets directory or a Hugging Face dataset id (--split, --max-samples). Re-running resumes: samples already in the store are skipped.
     Prints one JSON summary line on stdout. Exit codes: 0 all stored, 3 partial (some prompts
     failed; see the failures file), 1 failure (nothing stored, or a fatal error), 130 interrupted.
     """
@@ -460,6 +498,7 @@ def generate(
     from hsgen.saturate import SaturationConfig
 
     _setup_logging(log_level)
+    inputs = _dataset_inputs(inputs, split, max_samples, streaming)
     if rank >= world_size:
         raise click.BadParameter(f"must be < --world-size ({world_size})", param_hint="--rank")
     ids = None

@@ -147,7 +147,7 @@ class OnlineSource:
         if inputs is not None:
             self._inputs = inputs
         else:
-            for sample in read_inputs(self.config.prompts, on_bad_input="fail"):
+            for sample in read_inputs(self.config.prompt_inputs(), on_bad_input="fail"):
                 if sample.sample_id in self._inputs:
                     log.warning(
                         "%s: duplicate sample id %r: the first one is used", sample.source, sample.sample_id
@@ -167,6 +167,7 @@ class OnlineSource:
             RenderConfig(
                 tokenizer_path=self.config.verifier if os.path.isdir(self.config.verifier) else None,
                 chat_template=self.config.chat_template,
+                template_kwargs=dict(self.config.template_kwargs),
                 max_len=self.config.max_len,
                 on_too_long=self.config.on_too_long,  # type: ignore[arg-type]
             )
