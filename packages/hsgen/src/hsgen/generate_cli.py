@@ -547,7 +547,7 @@ def generate(
     if store is None:
         store = _store_factory(store_path, ids, verifier or model, renderer.fingerprint, codec, cfg)
     prompts = render_stream(list(inputs), renderer, on_bad_input=on_bad_input)
-    show = progress if progress is not None else sys.stderr.isatty()
+    show = progress is not False  # a bar on a terminal, log lines otherwise: see hsgen.progress
     summary = asyncio.run(_run_with_signals(run_generate, cfg, prompts, store, show))
     summary.store = summary.store or str(store_path)
     if summary.fatal:

@@ -20,7 +20,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-@click.group(cls=LazyGroup, lazy_commands=COMMANDS, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(
+    cls=LazyGroup,
+    lazy_commands=COMMANDS,
+    context_settings={"help_option_names": ["-h", "--help"], "show_default": True},
+)
 @click.version_option(package_name="spectrain")
 def main() -> None:
     """spectrain: train speculative-decoding drafts from a target model's hidden states."""

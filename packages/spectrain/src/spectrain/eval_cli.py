@@ -44,6 +44,35 @@ def format_report(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _layer_ids(text: str | None, draft_layers) -> list[int]:
+    if not text:
+        return list(draft_layers)
+    from hsgen.protocol import parse_layer_ids
+
+    try:
+        ids = parse_layer_ids(text)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--layer-ids") from None
+    if len(ids) != len(draft_layers):
+        raise click.BadParameter(
+            f"{ids}: the draft reads {len(draft_layers)} layers ({list(draft_layers)})",
+            param_hint="--layer-ids",
+        )
+    return ids
+
+
+def _json_object(text: str | None) -> dict[str, Any]:
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise click.BadParameter(f"not JSON: {e}", param_hint="--template-kwargs") from None
+    if not isinstance(value, dict):
+        raise click.BadParameter("must be a JSON object", param_hint="--template-kwargs")
+    return value
+
+
 def follow_latest(path: str) -> str:
     """A training ``--save-path`` (holding ``latest``) -> its newest checkpoint; anything else as is."""
     from pathlib import Path
@@ -81,8 +110,24 @@ def follow_latest(path: str) -> str:
     type=click.IntRange(min=1),
     help="Tokens generated per prompt (fewer at EOS).",
 )
+@click.option("--split", default="train", help="Split of a dataset --prompts (hub id or datasets directory).")
+@click.option(
+    "--chat-template",
+    type=click.Path(exists=True, dir_okay=False),
+    help="Chat template file overriding the verifier's (render as hsgen generate did).",
+)
+@click.option(
+    "--template-kwargs",
+    help="Extra chat-template variables as JSON, e.g. '{\"enable_thinking\": false}' (as hsgen generate).",
+)
+@click.option(
+    "--layer-ids",
+    help="Verifier layer ids feeding the draft [default: the draft config's; the same count is required].",
+)
 @click.option(
     "--num-prompts",
+    "--max-samples",
+    "num_prompts",
     default=None,
     type=click.IntRange(min=1),
     help="Use only the first N prompts [default: all].",
@@ -115,10 +160,15 @@ def follow_latest(path: str) -> str:
 @click.option(
     "--json", "as_json", is_flag=True, help="Print one JSON object on stdout (the table goes to stderr)."
 )
-@click.option("--progress/--no-progress", default=True, help="Progress bar on stderr.")
+@click.option(
+    "--progress/--no-progress",
+    default=None,
+    help="Progress on stderr: a bar on a terminal, periodic log lines otherwise [default: auto].",
+)
 @click.option("--log-level", default="WARNING", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]))
-def eval_command(draft_dir, verifier, revision, prompts_path, max_new_tokens, num_prompts, num_speculative_tokens,
-                 dtype, device, torch_threads, as_json, progress, log_level) -> None:  # fmt: skip
+def eval_command(draft_dir, verifier, revision, prompts_path, max_new_tokens, split, chat_template, template_kwargs,
+                 layer_ids, num_prompts, num_speculative_tokens, dtype, device, torch_threads, as_json, progress,
+                 log_level) -> None:  # fmt: skip
     """Speculative decoding with greedy verification: tau, per-position acceptance, exactness.
 
     The verifier runs with transformers; the draft is loaded from the exported (vLLM) format.
@@ -156,8 +206,12 @@ def eval_command(draft_dir, verifier, revision, prompts_path, max_new_tokens, nu
         raise click.BadParameter(str(e), param_hint="--verifier") from None
     try:
         proposer = load_exported_draft(draft_dir, verifier, device=device)
-        ver, tokenizer = load_verifier(verifier, proposer.layer_ids, dtype=dtype, device=device)
-        prompts = load_prompts(prompts_path, tokenizer, num_prompts=num_prompts)
+        layers = _layer_ids(layer_ids, proposer.layer_ids)
+        ver, tokenizer = load_verifier(verifier, layers, dtype=dtype, device=device)
+        from hsgen.hf_datasets import as_input
+
+        prompts = load_prompts(as_input(prompts_path, split=split), tokenizer, num_prompts=num_prompts,
+                               chat_template=chat_template, template_kwargs=_json_object(template_kwargs))  # fmt: skip
         limit = max_tokens(proposer)
         if num_speculative_tokens and limit is not None and num_speculative_tokens > limit:
             raise click.BadParameter(
@@ -172,13 +226,13 @@ def eval_command(draft_dir, verifier, revision, prompts_path, max_new_tokens, nu
         prompts,
         max_new_tokens=max_new_tokens,
         num_speculative_tokens=num_speculative_tokens,
-        progress=progress,
+        progress=progress is not False,
     )
     result = {
         "draft": str(draft_dir),
         "algorithm": proposer.algorithm,
         "verifier": str(verifier_arg),
-        "layer_ids": list(proposer.layer_ids),
+        "layer_ids": list(layers),
         "max_new_tokens": max_new_tokens,
         "verifier_dtype": dtype,
         **report.to_dict(),

@@ -655,9 +655,12 @@ class Trainer:
 
     def _run(self, signals: StopSignals) -> dict[str, Any]:
         cfg = self.cfg
-        from tqdm.auto import tqdm
+        from hsgen.progress import progress_bar
+        from spectrain.startup import startup_line
 
-        bar = tqdm(total=self.total_steps, initial=self.global_step, disable=not self.info.is_main,
+        if self.info.is_main:
+            log.info("%s", startup_line(self))
+        bar = progress_bar(total=self.total_steps, initial=self.global_step, disable=not self.info.is_main, unit="step",
                    desc=f"train {cfg.speculator_type}", dynamic_ncols=True)  # fmt: skip
         window = MetricSums()
         win_tokens, win_wait, win_time, win_steps, win_flops = 0, 0.0, 0.0, 0, 0.0

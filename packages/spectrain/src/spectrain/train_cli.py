@@ -12,6 +12,8 @@ from typing import Any
 
 import click
 
+from hsgen.cli import SectionedCommand
+
 DRAFT_FLAGS = {
     "block_size": "block_size",
     "max_anchors": "max_anchors",
@@ -29,6 +31,10 @@ TRAIN_FLAGS = (
     "keep_checkpoints", "resume", "num_workers", "prefetch", "log_every", "device", "precision", "distributed",
     "vocab_scan_samples", "prompts",
 )  # fmt: skip
+
+
+DEFAULT_SAVE_PATH = "./output/checkpoints"
+"""``--save-path`` when neither the flags nor the config file name one (speculators' default)."""
 
 
 def _setup_logging() -> None:
@@ -90,10 +96,33 @@ def build_train_config(params: dict[str, Any]):
             data[flag] = True
     if params.get("endpoint"):
         data["endpoints"] = list(params["endpoint"])
+    if data.get("endpoints") and not data.get("online"):  # an endpoint is only of use online
+        data["online"] = True
+    if not data.get("save_path"):
+        data["save_path"] = DEFAULT_SAVE_PATH
     online = dict(data.get("online_options") or {})
-    for key in ("shared_dir", "scratch_dir", "scratch_bytes", "delete_cached"):
+    for key in ("shared_dir", "scratch_dir", "scratch_bytes", "delete_cached", "chat_template"):
         if params.get(key):
             online[key] = params[key]
+    for flag, key in (
+        ("split", "prompts_split"),
+        ("max_samples", "max_prompts"),
+        ("streaming", "prompts_streaming"),
+    ):
+        if params.get(flag):
+            online[key] = params[flag]
+    if params.get("layer_ids"):
+        from hsgen.protocol import parse_layer_ids
+
+        try:
+            online["layer_ids"] = parse_layer_ids(params["layer_ids"])
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--layer-ids") from None
+    if params.get("template_kwargs"):
+        kwargs = _parse_value(params["template_kwargs"])
+        if not isinstance(kwargs, dict):
+            raise click.BadParameter("must be a JSON object", param_hint="--template-kwargs")
+        online["template_kwargs"] = kwargs
     for item in params.get("online_option") or ():
         if "=" not in item:
             raise click.BadParameter(f"{item!r}: expected KEY=VALUE", param_hint="--online-option")
@@ -114,7 +143,30 @@ def build_train_config(params: dict[str, Any]):
     return cfg
 
 
-@click.command("train", context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+TRAIN_SECTIONS: dict[str, tuple[str, ...]] = {
+    "Run": ("config", "store", "verifier", "revision", "verifier_name", "speculator_type", "from_pretrained",
+            "save_path", "resume"),
+    "Optimization": ("epochs", "max_steps", "stop_after_steps", "lr", "min_lr_ratio", "schedule", "warmup_steps",
+                     "warmup_ratio", "weight_decay", "betas", "max_grad_norm", "total_seq_len", "grad_accum", "seed"),
+    "Draft (algorithm options)": ("block_size", "max_anchors", "num_layers", "draft_vocab_size", "mask_token_id",
+                                  "ttt_steps", "target_mode", "target_layer_ids", "target_layer_id", "draft_option"),
+    "Validation and checkpoints": ("val_fraction", "val_every", "val_max_sequences", "save_every",
+                                   "keep_checkpoints"),
+    "Online data (vLLM)": ("online", "endpoint", "prompts", "split", "max_samples", "streaming", "layer_ids",
+                           "chat_template", "template_kwargs", "shared_dir", "scratch_dir", "scratch_bytes",
+                           "delete_consumed", "cache_generated", "delete_cached", "online_option"),
+    "Data loading": ("num_workers", "prefetch", "vocab_scan_samples"),
+    "Hardware": ("device", "precision", "distributed", "compile"),
+    "Logging": ("log_every", "tensorboard", "report_to", "log_level", "progress"),
+}  # fmt: skip
+
+
+@click.command(
+    "train",
+    cls=SectionedCommand,
+    sections=TRAIN_SECTIONS,
+    context_settings={"help_option_names": ["-h", "--help"], "show_default": True},
+)
 @click.option(
     "--config",
     type=click.Path(exists=True, dir_okay=False),
@@ -123,6 +175,8 @@ def build_train_config(params: dict[str, Any]):
 @click.option("--store", type=click.Path(file_okay=False), help="Hidden-state store directory.")
 @click.option(
     "--verifier",
+    "--verifier-name-or-path",
+    "verifier",
     help="Verifier: a local HF directory or a hub id like Qwen/Qwen3-8B (only config, tokenizer, "
     "embeddings, final norm and LM head are read, and fetched).",
 )
@@ -132,9 +186,16 @@ def build_train_config(params: dict[str, Any]):
     help="speculators_config.verifier.name_or_path in exports [default: the hub id of --verifier, "
     "else its _name_or_path].",
 )
-@click.option("--speculator-type", type=str, help="dflash | eagle3 (default dflash).")
 @click.option(
-    "--save-path", type=click.Path(file_okay=False), help="Checkpoints, metrics.jsonl, TensorBoard logs."
+    "--speculator-type",
+    type=str,
+    metavar="[dflash|eagle3]",
+    help="Draft algorithm (default dflash); any registered algorithm name is accepted.",
+)
+@click.option(
+    "--save-path",
+    type=click.Path(file_okay=False),
+    help=f"Checkpoints, metrics.jsonl, TensorBoard logs (default {DEFAULT_SAVE_PATH}).",
 )
 @click.option("--epochs", type=int, help="Passes over the training split (default 1).")
 @click.option("--max-steps", type=int, help="Stop after N optimizer steps (also the LR schedule length).")
@@ -222,7 +283,28 @@ def build_train_config(params: dict[str, Any]):
 @click.option(
     "--cache-generated", is_flag=True, default=False, help="Online: keep generated samples in --store."
 )
-@click.option("--prompts", type=click.Path(), help="Online: prompt file (JSONL / Parquet).")
+@click.option(
+    "--prompts",
+    "--data-path",
+    "prompts",
+    help="Online: prompts: a JSONL/JSON/Parquet file, a datasets directory or a hub dataset id.",
+)
+@click.option("--split", help="Online: split of a dataset --prompts (default train).")
+@click.option("--max-samples", type=click.IntRange(min=1), help="Online: rows read from a dataset --prompts.")
+@click.option("--streaming", is_flag=True, default=False, help="Online: stream a hub dataset --prompts.")
+@click.option(
+    "--layer-ids",
+    help="Online: layer ids the servers extract (their eagle_aux_hidden_state_layer_ids), e.g. '2,18,33,36' "
+    "(default: --target-layer-ids plus the last layer, else the algorithm's default).",
+)
+@click.option(
+    "--chat-template", type=click.Path(exists=True, dir_okay=False), help="Online: chat template file."
+)
+@click.option(
+    "--template-kwargs",
+    help="Online: extra chat-template variables as JSON, as hsgen generate takes them, e.g. "
+    "'{\"enable_thinking\": false}'.",
+)
 @click.option("--shared-dir", help="Online: the servers' shared_storage_path as seen here (default /tmp).")
 @click.option(
     "--scratch-dir", help="Online: scratch store for generated samples (default /dev/shm if it fits)."

@@ -25,12 +25,18 @@ READY_PREFIX = "hsgen serve: listening on "
 )
 @click.option("--revision", default=None, help="Branch, tag or commit of a hub --model [default: main].")
 @click.option(
-    "--layers", required=True, help="vLLM layer ids to extract, e.g. '2,18,33,36' (L = last layer, pre-norm)."
+    "--layer-ids",
+    "--layers",
+    "layers",
+    required=True,
+    help="vLLM layer ids to extract, e.g. '2,18,33,36' (L = last layer, pre-norm).",
 )
 @click.option(
+    "--shared-dir",
     "--shared-storage-path",
+    "shared_storage_path",
     default=protocol.DEFAULT_SHARED_STORAGE_PATH,
-    help="Directory the files are written to.",
+    help="Directory the files are written to (vLLM's shared_storage_path).",
 )
 @click.option("--host", default="127.0.0.1", help="Interface to bind (0.0.0.0 for all).")
 @click.option("--port", default=8000, type=int, help="TCP port (0 = any free port).")
