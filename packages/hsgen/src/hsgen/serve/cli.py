@@ -62,7 +62,8 @@ READY_PREFIX = "hsgen serve: listening on "
     "--dtype",
     default="auto",
     type=click.Choice(["auto", "bfloat16", "float16", "float32"]),
-    help="Model dtype.",
+    help="Model dtype; auto resolves as vLLM does: the checkpoint's dtype, but float32 is served in "
+    "bfloat16 where the device supports it (else float16).",
 )
 @click.option("--device", default="cpu", help="Torch device: cpu, cuda, cuda:1, ...")
 @click.option(

@@ -98,7 +98,11 @@ def load_model(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model_path(model, tiny_cache_dir)
-    torch_dtype: Any = "auto" if dtype == "auto" else _DTYPES[dtype]
+    if dtype == "auto":
+        from hsgen.serve.dtypes import resolve_auto_dtype
+
+        dtype = resolve_auto_dtype(path, device)  # as vLLM: a float32 checkpoint is served in bf16
+    torch_dtype: Any = _DTYPES[dtype]
     log.info("loading %s (dtype=%s, device=%s)", path, dtype, device)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True)
