@@ -130,6 +130,13 @@ def build_train_config(params: dict[str, Any]):
         online[k.strip().replace("-", "_")] = _parse_value(v)
     if online:
         data["online_options"] = online
+    if params.get("report_to"):
+        from spectrain.trackers import parse_report_to
+
+        try:
+            data["report_to"] = parse_report_to(params["report_to"])
+        except ValueError as e:
+            raise click.BadParameter(str(e).removeprefix("report_to: "), param_hint="--report-to") from None
     if params.get("betas"):
         data["betas"] = [float(x) for x in params["betas"].split(",")]
     data["draft"] = draft
@@ -230,7 +237,14 @@ TRAIN_SECTIONS: dict[str, tuple[str, ...]] = {
 )
 @click.option("--prefetch", type=int, help="Samples read ahead (default 8).")
 @click.option("--log-every", type=int, help="Steps per metrics.jsonl record (default 10).")
-@click.option("--tensorboard", is_flag=True, default=False, help="Also log to <save-path>/tensorboard.")
+@click.option("--tensorboard", is_flag=True, default=False, help="Same as --report-to tensorboard.")
+@click.option(
+    "--report-to",
+    "--logger",
+    "report_to",
+    multiple=True,
+    help="Experiment trackers, comma-separated or repeated: tensorboard (<save-path>/tensorboard), wandb, trackio.",
+)
 @click.option("--device", help="auto | cuda | cpu (default auto).")
 @click.option(
     "--precision", type=click.Choice(["auto", "bf16", "fp32"]), help="auto = bf16 autocast on CUDA."
