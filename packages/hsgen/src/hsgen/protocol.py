@@ -355,6 +355,10 @@ def parse_layer_ids(text: str) -> list[int]:
 # --------------------------------------------------------------------------- metrics
 
 
+_LABELLED = re.compile(r'([^{\s]+)\{(?:[^"}]|"(?:[^"\\]|\\.)*")*\}\s*(\S+)')
+"""``name{label="value", ...} value``; a quoted value may hold ``}``, spaces and escaped quotes."""
+
+
 def parse_prometheus(text: str) -> dict[str, float]:
     """Sum each metric family of a Prometheus text exposition over its labels.
 
@@ -365,9 +369,14 @@ def parse_prometheus(text: str) -> dict[str, float]:
         line = line.strip()
         if not line or line.startswith("#"):
             continue
-        name_part, _, rest = line.partition(" ") if "{" not in line else line.partition("}")
-        name = name_part.split("{", 1)[0]
-        value_text = rest.strip().split(" ")[0] if rest.strip() else ""
+        if "{" in line:  # labels may hold spaces and braces inside their quoted values
+            m = _LABELLED.match(line)
+            if m is None:
+                continue
+            name, value_text = m.group(1), m.group(2)
+        else:
+            name, _, rest = line.partition(" ")
+            value_text = rest.strip().split(" ")[0] if rest.strip() else ""
         try:
             value = float(value_text)
         except ValueError:
