@@ -28,6 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "hsgen.serve.cli:serve",
         "Run the reference hidden-state server (vLLM's protocol, transformers).",
     ),
+    "wait": ("hsgen.wait_cli:wait", "Wait until servers answer GET /health (scripts, tutorials)."),
     "render": (
         "hsgen.generate_cli:render",
         "Render conversations to token ids + loss masks (JSONL on stdout).",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
 
@@ -113,6 +114,8 @@ def config_from_options(opts: dict):
 
     try:
         layer_ids = protocol.parse_layer_ids(opts.pop("layers"))
+        # files are named by absolute path (clients refuse relative ones), whatever the cwd
+        opts["shared_storage_path"] = os.path.abspath(opts["shared_storage_path"])
         capacity = opts.pop("capacity", None)
         faults = opts.pop("faults", None)
         config = ServeConfig(
