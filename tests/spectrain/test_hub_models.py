@@ -72,3 +72,39 @@ def test_eval_with_hub_verifier_and_save_path_draft(hub_cache, tiny_model_dir, s
     assert out["draft"].endswith("checkpoint-00000002")
     assert out["num_speculative_tokens"] == 3  # block 4: the latest, not checkpoint-1's block 3
     assert out["verifier"] == REPO and out["verifier_dtype"] == "float64"  # auto on CPU
+
+
+def test_eval_renders_with_the_template_and_kwargs_generate_uses(tiny_model_dir, tmp_path, sample_chats_path):
+    """``spectrain eval --chat-template/--template-kwargs`` give the token ids ``hsgen render`` gives."""
+    from transformers import AutoTokenizer
+
+    from hsgen.render import ChatRenderer, RenderConfig
+    from spectrain.eval import load_prompts
+
+    tpl = tmp_path / "t.jinja"
+    tpl.write_text(
+        "{% for m in messages %}<|im_start|>{{ m.role }}{% if tag %} [{{ tag }}]{% endif %}\n{{ m.content }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    row = json.loads(sample_chats_path.read_text().splitlines()[0])
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps(row) + "\n")
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir), local_files_only=True)
+    got = load_prompts(str(prompts), tok, chat_template=str(tpl), template_kwargs={"tag": "x"})[0].token_ids
+    renderer = ChatRenderer(RenderConfig(tokenizer_path=str(tiny_model_dir), chat_template=str(tpl),
+                                         template_kwargs={"tag": "x"}))  # fmt: skip
+    text = renderer.apply_template(
+        row["messages"][: _upto_last_user(row["messages"])], add_generation_prompt=True
+    )
+    assert list(got) == renderer.encode(text)[0]
+    assert "[x]" in tok.decode(list(got))
+    plain = load_prompts(str(prompts), tok)[0].token_ids
+    assert list(plain) != list(got)
+
+
+def _upto_last_user(messages) -> int:
+    """Messages eval keeps: all but the trailing assistant turns."""
+    n = len(messages)
+    while n and messages[n - 1]["role"] == "assistant":
+        n -= 1
+    return n

@@ -43,6 +43,21 @@ COMMANDS: dict[str, tuple[str, str]] = {
 LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
 
 
+def json_object_option(text: str | None, param_hint: str) -> dict:
+    """A JSON-object option value (e.g. ``--template-kwargs``); ``{}`` when not given."""
+    import json
+
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise click.BadParameter(f"not JSON: {e}", param_hint=param_hint) from None
+    if not isinstance(value, dict):
+        raise click.BadParameter("must be a JSON object", param_hint=param_hint)
+    return value
+
+
 def _set_log_level(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
     if value is not None:
         logging.basicConfig(level=value.upper(), stream=sys.stderr,

@@ -26,15 +26,9 @@ def _setup_logging(level: str) -> None:
 
 
 def _template_kwargs(text: str | None) -> dict[str, Any]:
-    if not text:
-        return {}
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise click.BadParameter(f"not JSON: {e}", param_hint="--template-kwargs") from None
-    if not isinstance(value, dict):
-        raise click.BadParameter("must be a JSON object", param_hint="--template-kwargs")
-    return value
+    from hsgen.cli import json_object_option
+
+    return json_object_option(text, "--template-kwargs")
 
 
 def _render_options(f):

@@ -61,18 +61,6 @@ def _layer_ids(text: str | None, draft_layers) -> list[int]:
     return ids
 
 
-def _json_object(text: str | None) -> dict[str, Any]:
-    if not text:
-        return {}
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise click.BadParameter(f"not JSON: {e}", param_hint="--template-kwargs") from None
-    if not isinstance(value, dict):
-        raise click.BadParameter("must be a JSON object", param_hint="--template-kwargs")
-    return value
-
-
 def follow_latest(path: str) -> str:
     """A training ``--save-path`` (holding ``latest``) -> its newest checkpoint; anything else as is."""
     from pathlib import Path
@@ -208,10 +196,11 @@ def eval_command(draft_dir, verifier, revision, prompts_path, max_new_tokens, sp
         proposer = load_exported_draft(draft_dir, verifier, device=device)
         layers = _layer_ids(layer_ids, proposer.layer_ids)
         ver, tokenizer = load_verifier(verifier, layers, dtype=dtype, device=device)
+        from hsgen.cli import json_object_option
         from hsgen.hf_datasets import as_input
 
         prompts = load_prompts(as_input(prompts_path, split=split), tokenizer, num_prompts=num_prompts,
-                               chat_template=chat_template, template_kwargs=_json_object(template_kwargs))  # fmt: skip
+                               chat_template=chat_template, template_kwargs=json_object_option(template_kwargs, "--template-kwargs"))  # fmt: skip
         limit = max_tokens(proposer)
         if num_speculative_tokens and limit is not None and num_speculative_tokens > limit:
             raise click.BadParameter(

@@ -119,10 +119,9 @@ def build_train_config(params: dict[str, Any]):
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint="--layer-ids") from None
     if params.get("template_kwargs"):
-        kwargs = _parse_value(params["template_kwargs"])
-        if not isinstance(kwargs, dict):
-            raise click.BadParameter("must be a JSON object", param_hint="--template-kwargs")
-        online["template_kwargs"] = kwargs
+        from hsgen.cli import json_object_option
+
+        online["template_kwargs"] = json_object_option(params["template_kwargs"], "--template-kwargs")
     for item in params.get("online_option") or ():
         if "=" not in item:
             raise click.BadParameter(f"{item!r}: expected KEY=VALUE", param_hint="--online-option")
