@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 
@@ -23,7 +24,9 @@ def test_mode_follows_the_flag_and_the_terminal(monkeypatch):
     progress.configure(True)
     monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
     assert progress.mode() == "bar"
-    progress.configure(None)
+    monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
+    progress.configure(None)  # a log file: the Hugging Face libraries' bars go too
+    assert os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1"
 
 
 def test_log_progress_lines_with_total_rate_and_eta(caplog, monkeypatch):

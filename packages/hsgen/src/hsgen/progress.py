@@ -11,6 +11,7 @@ silences both; every ``hsgen`` and ``spectrain`` command takes the two flags and
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from collections.abc import Iterable, Iterator
@@ -23,9 +24,16 @@ LOG_INTERVAL_S = 30.0
 
 
 def configure(progress: bool | None) -> None:
-    """``True``: always a bar; ``False``: no progress output; ``None``: bar on a terminal, lines otherwise."""
+    """``True``: always a bar; ``False``: no progress output; ``None``: bar on a terminal, lines otherwise.
+
+    Without a bar, the Hugging Face libraries' own bars (transformers' "Loading weights",
+    datasets, downloads) are turned off too, through ``HF_HUB_DISABLE_PROGRESS_BARS`` (read when
+    they are imported, which the commands do after this).
+    """
     global _forced
     _forced = progress
+    if mode() != "bar":
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
 def mode() -> str:
