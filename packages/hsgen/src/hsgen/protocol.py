@@ -355,10 +355,6 @@ def parse_layer_ids(text: str) -> list[int]:
 # --------------------------------------------------------------------------- metrics
 
 
-_LABELLED = re.compile(r'([^{\s]+)\{(?:[^"}]|"(?:[^"\\]|\\.)*")*\}\s*(\S+)')
-"""``name{label="value", ...} value``; a quoted value may hold ``}``, spaces and escaped quotes."""
-
-
 def parse_prometheus(text: str) -> dict[str, float]:
     """Sum each metric family of a Prometheus text exposition over its labels.
 
@@ -369,14 +365,11 @@ def parse_prometheus(text: str) -> dict[str, float]:
         line = line.strip()
         if not line or line.startswith("#"):
             continue
-        if "{" in line:  # labels may hold spaces and braces inside their quoted values
-            m = _LABELLED.match(line)
-            if m is None:
-                continue
-            name, value_text = m.group(1), m.group(2)
+        if "{" in line:  # quoted label values may hold spaces and braces: the value follows the last }
+            name, rest = line[: line.index("{")], line[line.rfind("}") + 1 :]
         else:
             name, _, rest = line.partition(" ")
-            value_text = rest.strip().split(" ")[0] if rest.strip() else ""
+        value_text = rest.strip().split(" ")[0] if rest.strip() else ""
         try:
             value = float(value_text)
         except ValueError:
