@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install -q "torch==2.13.0" || python -m pip install -q torch
-python -m pip install -q -e "packages/hsgen[serve,render,parquet,dev]" -e packages/spectrain
+python -m pip install -q -e "packages/hsgen[serve,render,parquet,datasets,dev]" -e "packages/spectrain[tensorboard]"
