@@ -206,6 +206,46 @@ def test_buffers_are_reused_only_when_released():
     assert len(loader.buffers._kept) <= loader.buffers.size
 
 
+def test_padding_is_zero_in_reused_buffers_and_zeroed_only_where_written():
+    from spectrain.loader import BufferPool
+
+    # sequences of 20 slots holding 20, 5, 20, 3, 12, 20, 7 tokens: padding after fuller sequences
+    lengths = [10, 10, 5, 10, 10, 3, 12, 10, 10, 7]
+    src = MemorySource({f"s{i}": n for i, n in enumerate(lengths, 1)})
+    plan = [f"s{i}" for i in range(1, len(lengths) + 1)]
+    pool = BufferPool(3)
+    for _ in range(2):  # the second pass reuses every buffer of the first
+        ptrs = set()
+        for b in PackedLoader(src, plan, total_seq_len=20, layers=None, hidden_dtype=torch.float32, ahead=1,
+                              buffers=pool):  # fmt: skip
+            ptrs.add(b.hidden_states.data_ptr())
+            n = b.num_tokens
+            assert n > 0 and (b.hidden_states[n:] == 0).all() and (b.doc_ids[n:] == -1).all()
+            assert (b.hidden_states[:n, 0, 0] != 0).all()  # ids are 1..: every data row is written
+            del b
+        assert len(ptrs) <= 3
+    assert len(pool._kept) <= 3
+
+
+def test_buffer_pool_hands_out_the_buffer_needing_the_least_zeroing():
+    from spectrain.loader import BufferPool
+
+    pool = BufferPool(4)
+    shape = (10, 1, 2)
+    bufs = [pool.take(shape, torch.float32, 10) for _ in range(3)]
+    assert [dirty for _, dirty in bufs] == [10, 10, 10]  # fresh: anything may be in them
+    for (buf, _), used in zip(bufs, (8, 3, 6), strict=True):
+        pool.settle(buf, used)  # their padding was zeroed after 8, 3 and 6 rows
+    ptr = {used: buf.data_ptr() for (buf, _), used in zip(bufs, (8, 3, 6), strict=True)}
+    del bufs, buf
+    got, dirty = pool.take(shape, torch.float32, 7)
+    assert (got.data_ptr(), dirty) == (ptr[6], 6)  # the dirtiest not past 7 rows: nothing to zero
+    got2, dirty2 = pool.take(shape, torch.float32, 2)
+    assert (got2.data_ptr(), dirty2) == (ptr[3], 3)  # none fits: the cleanest, 1 row to zero
+    got3, dirty3 = pool.take(shape, torch.float32, None)
+    assert (got3.data_ptr(), dirty3) == (ptr[8], 8)
+
+
 class RecordingRead:
     """A SampleRead that records the thread it ran on and when."""
 
@@ -306,12 +346,14 @@ def test_cuda_sequences_arrive_on_the_device_equal_to_the_host_ones(tiny_store):
     plan = src.plan(0)
     kw = dict(total_seq_len=400, layers=[0, 1, 3], hidden_dtype=torch.bfloat16)
     host = list(PackedLoader(src, plan, **kw))
-    dev = list(PackedLoader(src, plan, pin_memory=True, device="cuda", **kw))
-    assert len(host) == len(dev)
-    for h, d in zip(host, dev, strict=True):
-        assert d.hidden_states.is_cuda and d.sample_ids == h.sample_ids
-        for a, b in zip(h.tensors(), d.tensors(), strict=True):
-            assert torch.equal(a, b.cpu())
+    for _ in range(2):  # the second pass gets pinned buffers with the first's stale rows
+        dev = [b.to("cpu") for b in PackedLoader(src, plan, pin_memory=True, device="cuda", **kw)]
+        torch.cuda.synchronize()
+        assert len(host) == len(dev)
+        for h, d in zip(host, dev, strict=True):
+            assert d.sample_ids == h.sample_ids and d.num_tokens == h.num_tokens
+            for a, b in zip(h.tensors(), d.tensors(), strict=True):
+                assert torch.equal(a, b)  # padding included: zeroed on the device
 
 
 def test_estimated_packed_sequences_sample_long_plans_only():

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from spectrain.batch import Batch, empty_batch, storage_to_torch
+from spectrain.batch import BATCH_TENSORS, Batch, empty_batch, storage_to_torch, zero_rows
 from spectrain.sample_reads import ArrayRead, SampleRead, SampleRefused, fill_slot
 
 if TYPE_CHECKING:
@@ -126,7 +126,10 @@ class BufferPool:
     """Reusable CPU hidden-state buffers (pinned ones come from CUDA's caching host allocator).
 
     Fresh multi-megabyte CPU allocations cost a page fault per 4 KiB on first touch, several
-    times the copy itself, so buffers no batch references any more are handed out again.
+    times the copy itself, so buffers no batch references any more are handed out again. The
+    pool also remembers how many leading rows of each buffer may hold data (its *dirty* rows:
+    rows past them are zero), so a sequence's padding is zeroed only where an earlier sequence
+    wrote, and hands out the buffer that needs the least zeroing.
 
     Args:
         size: buffers kept per shape and dtype; more are allocated (and dropped) when all are busy.
@@ -135,20 +138,37 @@ class BufferPool:
     def __init__(self, size: int = 5):
         self.size = size
         self._kept: list[torch.Tensor] = []
+        self._dirty: dict[int, int] = {}  # data_ptr of a kept buffer -> rows that may be non-zero
         self._lock = threading.Lock()
 
-    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A buffer of ``shape`` that no batch uses (its contents are stale)."""
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype, used: int | None = None) -> tuple[torch.Tensor, int]:
+        """A buffer of ``shape`` that no batch uses, and how many of its leading rows may be non-zero.
+
+        With ``used`` (the rows the caller will fill) the free buffer needing the least zeroing
+        past ``used`` is chosen: the dirtiest one not dirtier than ``used``, else the cleanest.
+        Rows below the returned count hold stale data; rows from it on are zero.
+        """
         with self._lock:
             same = [b for b in self._kept if tuple(b.shape) == shape and b.dtype == dtype]
-            for buf in same:  # free when no view of it (no batch) is alive
-                if buf._use_count() == 1:
-                    return buf.view(shape)
+            free = [b for b in same if b._use_count() == 1]  # no view of it (no batch) is alive
+            if free:
+                rows = shape[0] if used is None else used
+                dirty = [self._dirty.get(b.data_ptr(), shape[0]) for b in free]
+                fits = [k for k, d in enumerate(dirty) if d <= rows]
+                k = max(fits, key=dirty.__getitem__) if fits else min(range(len(free)), key=dirty.__getitem__)
+                return free[k].view(shape), dirty[k]
             buf = torch.empty(shape, dtype=dtype)
             if len(same) < self.size:
                 self._kept.append(buf)
-                return buf.view(shape)
-            return buf
+                self._dirty[buf.data_ptr()] = shape[0]
+                return buf.view(shape), shape[0]
+            return buf, shape[0]
+
+    def settle(self, buf: torch.Tensor, used: int) -> None:
+        """Record that rows of ``buf`` from ``used`` on are zero (its padding was cleared)."""
+        with self._lock:
+            if buf.data_ptr() in self._dirty:
+                self._dirty[buf.data_ptr()] = used
 
 
 class PackedLoader:
@@ -230,10 +250,11 @@ class PackedLoader:
             sid = self.plan[pos]
             yield pos, sid, locate(self.source, sid)
 
-    def _buffer(self, shape: tuple[int, ...]) -> torch.Tensor:
+    def _buffer(self, shape: tuple[int, ...], used: int) -> tuple[torch.Tensor, int]:
+        """A sequence buffer for ``used`` rows of data and the rows from which on it is already zero."""
         if self.pin:  # CUDA's caching host allocator reuses pinned blocks once their copies are done
-            return torch.empty(shape, dtype=self.hidden_dtype, pin_memory=True)
-        return self.buffers.take(shape, self.hidden_dtype)
+            return torch.empty(shape, dtype=self.hidden_dtype, pin_memory=True), shape[0]
+        return self.buffers.take(shape, self.hidden_dtype, used)
 
     def _refuse(self, sample_id: str, reason: str) -> None:
         self.refused.append(sample_id)
@@ -264,63 +285,66 @@ class _Pending:
 
 
 class _OpenSequence:
-    """The sequence the packer is filling: slots handed out in plan order."""
+    """The sequence the packer is filling: slots handed out in plan order.
+
+    Its buffer is taken, and its reads start, when it closes: its length is known then, so the
+    buffer needing the least zeroing of padding is chosen, and the reads go to the threads
+    largest first (the threads finish a pass together).
+    """
 
     def __init__(self, loader: PackedLoader, plan_start: int):
         self.loader = loader
         self.plan_start = plan_start
         self.used = 0
         self.sample_ids: list[str] = []
-        self.docs: list[tuple[int, int]] = []  # (start, tokens) of each real sample
-        self.pending: _Pending | None = None
+        self.placed: list[tuple[str, SampleRead, int, int]] = []  # (sample id, read, start slot, tokens)
 
-    def _allocate(self, read: SampleRead) -> _Pending:
+    def add(self, sample_id: str, read: SampleRead | None, n: int) -> None:
+        self.sample_ids.append(sample_id)
+        if read is None or n == 0:
+            return
+        self.placed.append((sample_id, read, self.used, n))
+        self.used += n
+
+    def close(self, plan_end: int, pool: ThreadPoolExecutor) -> _Pending:
         L = self.loader
         S = L.total_seq_len
-        n_layers, H = read.row_shape
+        if not self.placed:
+            batch = empty_batch(S, self.plan_start, plan_end, self.sample_ids, L.hidden_dtype)
+            return _Pending(batch)
+        n_layers, H = self.placed[0][1].row_shape
         n_sel = n_layers if L.layers is None or L.num_workers > 0 else len(L.layers)
         pin = L.pin
-        batch = Batch(
+        hidden, dirty = L._buffer((S, n_sel, H), self.used)
+        b = Batch(
             torch.zeros(S, dtype=torch.int64, pin_memory=pin),
             torch.zeros(S, dtype=torch.bool, pin_memory=pin),
             torch.zeros(S, dtype=torch.int64, pin_memory=pin),
             torch.full((S,), -1, dtype=torch.int64, pin_memory=pin),
             torch.arange(1, S + 1, dtype=torch.int64).pin_memory() if pin else torch.arange(1, S + 1),
-            L._buffer((S, n_sel, H)),
+            hidden,
         )
-        return _Pending(batch)
-
-    def add(self, sample_id: str, read: SampleRead | None, n: int, pool: ThreadPoolExecutor) -> None:
-        self.sample_ids.append(sample_id)
-        if read is None or n == 0:
-            return
-        if self.pending is None:
-            self.pending = self._allocate(read)
-        b = self.pending.batch
-        lo, hi = self.used, self.used + n
-        layers = None if self.loader.num_workers > 0 else self.loader.layers
-        job = pool.submit(
-            _read_job, read, b.hidden_states[lo:hi], b.input_ids[lo:hi], b.loss_mask[lo:hi], layers
-        )
-        self.pending.reads.append((job, sample_id, lo, hi))
-        self.docs.append((lo, n))
-        self.used = hi
-
-    def close(self, plan_end: int, pool: ThreadPoolExecutor) -> _Pending:
-        L = self.loader
-        if self.pending is None:
-            batch = empty_batch(L.total_seq_len, self.plan_start, plan_end, self.sample_ids, L.hidden_dtype)
-            return _Pending(batch)
-        b = self.pending.batch
-        for d, (lo, n) in enumerate(self.docs):
+        pending = _Pending(b)
+        # the padding's states: zero where an earlier sequence wrote (a device copy zeroes them there)
+        if dirty > self.used and L.device is None:
+            pending.others.append(pool.submit(zero_rows, b.hidden_states[self.used : dirty]))
+        if not pin:
+            L.buffers.settle(hidden, self.used)
+        layers = None if L.num_workers > 0 else L.layers
+        jobs = {}
+        for sid, read, lo, n in sorted(self.placed, key=lambda p: -p[3]):
+            hi = lo + n
+            jobs[lo] = pool.submit(
+                _read_job, read, b.hidden_states[lo:hi], b.input_ids[lo:hi], b.loss_mask[lo:hi], layers
+            )
+        for d, (sid, _, lo, n) in enumerate(self.placed):
             b.position_ids[lo : lo + n] = torch.arange(n)
             b.doc_ids[lo : lo + n] = d
             b.doc_ends[lo : lo + n] = lo + n
-        if self.used < L.total_seq_len:
-            self.pending.others.append(pool.submit(b.hidden_states[self.used :].zero_))
+            pending.reads.append((jobs[lo], sid, lo, lo + n))
         b.sample_ids = self.sample_ids
         b.plan_start, b.plan_end, b.num_tokens = self.plan_start, plan_end, self.used
-        return self.pending
+        return pending
 
 
 def _read_job(read: SampleRead, hidden, input_ids, loss_mask, layers) -> str | None:
@@ -334,6 +358,18 @@ def _read_job(read: SampleRead, hidden, input_ids, loss_mask, layers) -> str | N
         if release is not None:
             release()
     return None
+
+
+def _to_device(host: Batch, device: torch.device) -> Batch:
+    """Copy a finished host sequence to ``device`` (on the current stream): the hidden rows that
+    hold data only, the padding's states zeroed there (its host rows are stale)."""
+    n = host.num_tokens
+    hs = torch.empty(host.hidden_states.shape, dtype=host.hidden_states.dtype, device=device)
+    hs[:n].copy_(host.hidden_states[:n], non_blocking=True)
+    hs[n:].zero_()
+    moved = {k: getattr(host, k).to(device, non_blocking=True) for k in BATCH_TENSORS if k != "hidden_states"}
+    return Batch(**moved, hidden_states=hs, sample_ids=host.sample_ids, plan_start=host.plan_start,
+                 plan_end=host.plan_end, num_tokens=n)  # fmt: skip
 
 
 class LoaderRun:
@@ -407,7 +443,7 @@ class LoaderRun:
                 if read is not None and read.length > S and not L._warned_truncate:
                     log.warning("sample %r truncated to --total-seq-len %d tokens", sid, S)
                     L._warned_truncate = True
-                seq.add(sid, read, n, self._pool)
+                seq.add(sid, read, n)
             if seq is not None and not self._put(self._ready, seq.close(last + 1, self._pool)):
                 return
             self._put(self._ready, _END)
@@ -429,7 +465,7 @@ class LoaderRun:
                     return
                 host = item.finish(self.loader._refuse)
                 with torch.cuda.stream(stream):
-                    dev = host.to(device, non_blocking=True)
+                    dev = _to_device(host, device)
                     event = torch.cuda.Event()
                     event.record(stream)
                 if not self._put(self._out, (dev, event)):
