@@ -65,20 +65,10 @@ class Lander:
                 "servers run other extraction settings than the store was built with"
             )
         size = self.stores.bytes_for(int(hs.shape[0]))
-        if not self.config.persist_fetched:
-            self._hold(sample_id, fetched, size)
+        if self.config.reads_once:
+            self.ledger.hold(sample_id, fetched, size)
             return
         await asyncio.get_running_loop().run_in_executor(self.io, self._add, sample_id, fetched, size)
-
-    def _hold(self, sample_id: str, fetched: Any, size: int) -> None:
-        ledger = self.ledger
-        with ledger.cond:
-            ledger.inflight.pop(sample_id, None)
-            ledger.held[sample_id] = (fetched, size)
-            ledger.ready[sample_id] = "memory"
-            ledger.fresh.add(sample_id)
-            self.metrics.samples_generated += 1
-            ledger.cond.notify_all()
 
     def _add(self, sample_id: str, fetched: Any, size: int) -> None:
         """Buffer one fetched sample in the writer (I/O thread); commit a shard once the buffer is full."""
