@@ -140,7 +140,7 @@ class Lander:
             ledger.buffered_since = None
             ledger.cond.notify_all()
         if not cache:
-            self.retention.update_scratch_usage()
+            self.retention.update_scratch_usage(force=False)
 
     def close_writers(self) -> None:
         """Commit what is buffered and close the writers (I/O thread)."""

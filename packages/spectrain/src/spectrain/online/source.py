@@ -117,7 +117,8 @@ class OnlineSource:
         self._consumed_log = ConsumedLog(config, f"{os.getpid()}-{int(time.time() * 1000)}")
         self.ledger = SampleLedger(config, self.stores, self.metrics, self._failures, self.prompts.source_of)
         self._io = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="online-io")
-        self.retention = Retention(config, self.stores, self.ledger, self.metrics, self._io)
+        self._deletions = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="online-delete")
+        self.retention = Retention(config, self.stores, self.ledger, self.metrics, self._deletions)
         self.lander = Lander(config, self.stores, self.ledger, self.metrics, self.retention, self._io)
         self.reader = SampleReader(self.stores, self.ledger, self.retention, self.metrics)
         self.fetcher = Fetcher(
@@ -171,10 +172,10 @@ class OnlineSource:
             leaving = ep if ep is not None and ep.epoch != epoch else None
         if leaving is not None and leaving.started and self.retention.active:
             # The trainer asks for epoch e + 1 after its last consumed() of epoch e. Finish epoch e's
-            # deletions now, on the I/O thread (after any job still queued there): run later, they
-            # would be judged against the new plan, and samples the new epoch had counted as ready
-            # could vanish after later ones filled the scratch bound.
-            self._io.submit(self.retention.delete_consumed_shards).result()
+            # deletions now (after any pass still queued): run later, they would be judged against
+            # the new plan, and samples the new epoch had counted as ready could vanish after later
+            # ones filled the scratch bound.
+            self.retention.run_now()
         with self.ledger.cond:
             if self.ledger.begin_epoch(epoch, ids):
                 if leaving is not None and leaving.started:  # its untrained read-once samples: not now
@@ -224,9 +225,10 @@ class OnlineSource:
         try:
             self._io.submit(self.lander.close_writers).result()
             if not self.config.cache_generated:
-                self._io.submit(self.retention.delete_consumed_shards, True).result()
+                self.retention.run_now(closing=True)
         finally:
             self._io.shutdown(wait=True)
+            self._deletions.shutdown(wait=True)
             self._failures.close()
             self._consumed_log.close()
             if self._owns_run:
