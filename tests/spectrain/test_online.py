@@ -12,6 +12,7 @@ import pytest
 
 from hsgen.client import ClientConfig
 from hsgen.generate import GenerateConfig, generate
+from hsgen.hidden_file import FileRows
 from hsgen.inputs import read_inputs
 from hsgen.render import ChatRenderer, RenderConfig
 from hsgen.serve.testing import running_server
@@ -522,7 +523,9 @@ def test_read_once_holds_the_bound_and_trains_each_sample_once_per_epoch(
     sizes = []
     with OnlineSource(cfg) as src:
         assert src.config.reads_once
-        assert src.header.num_layers == len(LAYERS)  # as the trainer does: the probe fetches the first sample,
+        assert src.header.num_layers == len(
+            LAYERS
+        )  # as the trainer does: the probe fetches the first sample,
         src.plan(1)  # then every epoch is planned to size the LR schedule
         for epoch in (0, 1):
             plan = src.plan(epoch)
@@ -532,7 +535,10 @@ def test_read_once_holds_the_bound_and_trains_each_sample_once_per_epoch(
                     check_sample(src.get(sid), rendered[0][sid])
                 with src.ledger.lock:
                     sizes.append(src.ledger.in_use())
+                    rows = [src.ledger.held[sid][0].hidden_states for sid in ids if sid in src.ledger.held]
+                assert rows and all(isinstance(r, FileRows) for r in rows)  # left in the server's file
                 src.consumed(ids)
+                assert all(r._file.fd < 0 for r in rows)  # its pages released with the step
         stats = src.stats()
         scratch = HiddenStateStore.open(src.scratch_path)
         assert len(scratch) == 0  # nothing committed

@@ -87,7 +87,9 @@ class HiddenStateClient:
         self._session = aiohttp.ClientSession(connector=connector, timeout=timeout, raise_for_status=False)
         self._pool = ThreadPoolExecutor(max(1, self.config.read_threads), thread_name_prefix="hsgen-read")
         c = self.config
-        wait = FileWait(c.file_wait_s, c.lock_timeout_s, c.settle_s, c.check_finite, c.include_output_tokens)
+        wait = FileWait(
+            c.file_wait_s, c.lock_timeout_s, c.settle_s, c.check_finite, c.include_output_tokens, c.map_files
+        )
         self._files = HiddenFileReader(self.shared, wait, self._pool)
         self._last_alive = time.monotonic()
         return self

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from hsgen import protocol
 from hsgen.shared_dir import new_client_prefix
+
+if TYPE_CHECKING:
+    from hsgen.hidden_file import FileRows
 
 
 @dataclass
@@ -42,6 +46,11 @@ class ClientConfig:
         probe_timeout_s: limit for each endpoint's ``GET /v1/models`` in :meth:`HiddenStateClient.probe`.
         request_prefix: start of every ``X-Request-Id`` (and so of every file name) this client
             causes; default a fresh ``hsgen-<12 hex>-`` (:func:`hsgen.shared_dir.new_client_prefix`).
+        map_files: map each file's hidden states (a read-only array over a private mapping).
+            False leaves them in the open file (its name removed all the same) as
+            :class:`hsgen.hidden_file.FileRows`, for a consumer that copies each sample once
+            (spectrain's read-once online mode): no mapping is set up and torn down per file.
+            The file's pages stay allocated until the rows are closed.
     """
 
     endpoints: Sequence[str]
@@ -66,6 +75,7 @@ class ClientConfig:
     max_down_s: float = 600.0
     probe_timeout_s: float = 10.0
     request_prefix: str = field(default_factory=new_client_prefix)
+    map_files: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.endpoints, str):
@@ -103,7 +113,8 @@ class FetchedSample:
     Attributes:
         sample_id: the prompt's id.
         hidden_states: ``[T, num_layers, hidden]`` in storage dtype (uint16 bits for bf16),
-            possibly a read-only view of a mapped file (the file itself is already deleted).
+            possibly a read-only view of a mapped file (the file itself is already deleted), or
+            with ``map_files=False`` the rows still in that file (:class:`hsgen.hidden_file.FileRows`).
         token_ids: ``[T]`` int64, equal to the prompt's ids.
         loss_mask: ``[T]`` uint8.
         dtype: logical dtype of ``hidden_states``.
@@ -113,7 +124,7 @@ class FetchedSample:
     """
 
     sample_id: str
-    hidden_states: np.ndarray
+    hidden_states: np.ndarray | FileRows
     token_ids: np.ndarray
     loss_mask: np.ndarray
     dtype: str

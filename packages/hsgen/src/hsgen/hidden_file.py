@@ -11,6 +11,7 @@ link is followed, no open can block, only regular files are read.
 from __future__ import annotations
 
 import asyncio
+import errno
 import mmap
 import os
 import time
@@ -50,11 +51,102 @@ class NotReady(Exception):
     """The file is missing or shorter than its header says (a writer may still be busy)."""
 
 
-def read_hidden_states_fd(fd: int) -> tuple[np.ndarray, np.ndarray, str]:
+class _OpenFile:
+    """A descriptor closed when the last :class:`FileRows` on it is closed or collected."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def close(self) -> None:
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class FileRows:
+    """Hidden-state rows left in the server's file (its name already removed), read on demand.
+
+    For a consumer that copies each sample once: :meth:`read_into` lands the rows in the
+    caller's buffer with ``preadv`` (one copy, no mapping to set up and tear down per file).
+    It has the ``shape``, ``ndim``, ``dtype`` and ``nbytes`` of the array it stands for;
+    ``rows[:n]`` keeps the first ``n`` rows; ``numpy.asarray(rows)`` reads them all into a new
+    array. The file's pages stay allocated until :meth:`close` (or collection).
+    """
+
+    def __init__(self, file: _OpenFile, offset: int, shape: tuple[int, ...], dtype: np.dtype):
+        self._file = file
+        self.offset = offset
+        self.shape = tuple(shape)
+        self.dtype = np.dtype(dtype)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, key) -> FileRows:
+        if not isinstance(key, slice) or key.start not in (None, 0) or key.step not in (None, 1):
+            raise TypeError("FileRows takes only [:n]")
+        n = min(self.shape[0], self.shape[0] if key.stop is None else max(0, key.stop))
+        return FileRows(self._file, self.offset, (n, *self.shape[1:]), self.dtype)
+
+    def read_into(self, out: np.ndarray, *, piece_bytes: int = 1 << 20, check=None) -> None:
+        """Read the rows into ``out`` (C-contiguous, this shape, an item size of this dtype's),
+        ``piece_bytes`` at a time; ``check(piece)`` runs on each piece as it lands (in cache).
+
+        Raises:
+            ValueError: ``out`` does not fit, or the file was closed.
+            EOFError: the file is shorter than its header said.
+        """
+        if (
+            tuple(out.shape) != self.shape
+            or not out.flags.c_contiguous
+            or out.dtype.itemsize != self.dtype.itemsize
+        ):
+            raise ValueError(f"buffer {out.shape} {out.dtype} does not hold rows {self.shape} {self.dtype}")
+        if self._file.fd < 0:
+            raise ValueError("the file's rows were released")
+        flat = out.reshape(-1)
+        view = memoryview(flat.view(np.uint8))
+        step = max(self.dtype.itemsize, piece_bytes // self.dtype.itemsize * self.dtype.itemsize)
+        for lo in range(0, len(view), step):
+            piece = view[lo : lo + step]
+            done = 0
+            while done < len(piece):
+                got = os.preadv(self._file.fd, [piece[done:]], self.offset + lo + done)
+                if got <= 0:
+                    raise EOFError(f"file ends {len(piece) - done} bytes short of its rows")
+                done += got
+            if check is not None:
+                check(flat[lo // self.dtype.itemsize : (lo + len(piece)) // self.dtype.itemsize])
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        out = np.empty(self.shape, dtype=self.dtype)
+        self.read_into(out)
+        return out if dtype is None else out.astype(dtype)
+
+    def close(self) -> None:
+        """Release the file (its pages are freed once nothing else holds it)."""
+        self._file.close()
+
+
+def read_hidden_states_fd(
+    fd: int, *, map_hidden: bool = True
+) -> tuple[np.ndarray | FileRows, np.ndarray, str]:
     """Map an open vLLM hidden-states safetensors file: ``(hidden_states, token_ids, dtype)``.
 
     The arrays are read-only views of a private mapping, so no bytes are copied in user space;
-    ``fd`` may be closed afterwards.
+    ``fd`` may be closed afterwards. With ``map_hidden=False`` nothing is mapped: the token ids
+    are read, and the hidden states are :class:`FileRows` on a duplicate of ``fd``.
 
     Raises:
         NotReady: the file is truncated.
@@ -82,8 +174,21 @@ def read_hidden_states_fd(fd: int) -> tuple[np.ndarray, np.ndarray, str]:
         raise protocol.ProtocolError(
             f"shapes hidden_states {list(hs.shape)} / token_ids {list(ti.shape)} are not [T, layers, hidden] / [T]"
         )
-    mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0), prot=mmap.PROT_READ)
     storage = np.dtype(STORAGE_DTYPES[hs.dtype])
+    if not map_hidden:
+        try:
+            held = _OpenFile(os.dup(fd))
+        except OSError as e:  # out of descriptors (many samples held): map this one instead
+            if e.errno not in (errno.EMFILE, errno.ENFILE):
+                raise
+        else:
+            tokens = np.empty(ti.shape[0], dtype=np.int64)
+            got = os.preadv(fd, [memoryview(tokens).cast("B")], ti.start) if tokens.nbytes else 0
+            if got != tokens.nbytes:
+                held.close()
+                raise NotReady("token_ids are truncated")
+            return FileRows(held, hs.start, hs.shape, storage), tokens, hs.dtype
+    mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0), prot=mmap.PROT_READ)
     hidden = np.frombuffer(mm, dtype=storage, count=hs.nbytes // storage.itemsize, offset=hs.start)
     tokens = np.frombuffer(mm, dtype=np.int64, count=ti.shape[0], offset=ti.start)
     return hidden.reshape(hs.shape), tokens, hs.dtype
@@ -120,6 +225,7 @@ class FileWait:
     settle_s: float
     check_finite: bool
     include_output_tokens: bool
+    map_hidden: bool = True
 
 
 class HiddenFileReader:
@@ -189,13 +295,15 @@ class HiddenFileReader:
             await asyncio.sleep(delay)
             delay = min(delay * 1.5, 0.02)
 
-    def _read_validate(self, parts: list[str], prompt: RenderedPrompt) -> tuple[np.ndarray, np.ndarray, str]:
+    def _read_validate(
+        self, parts: list[str], prompt: RenderedPrompt
+    ) -> tuple[np.ndarray | FileRows, np.ndarray, str]:
         path = self.shared.show(parts)
         fd = self.shared.open_regular(parts)
         if fd is None:
             raise NotReady("file does not exist")
         try:
-            hidden, tokens, dtype = read_hidden_states_fd(fd)
+            hidden, tokens, dtype = read_hidden_states_fd(fd, map_hidden=self.wait.map_hidden)
         except protocol.ProtocolError as e:
             raise FetchError("bad_file", f"{path}: {e}", transient=True) from None
         finally:
@@ -216,7 +324,7 @@ class HiddenFileReader:
                 transient=False,
             )
         hidden = hidden[:n]
-        if self.wait.check_finite and not all_finite(hidden, dtype):
+        if self.wait.check_finite and not all_finite(np.asarray(hidden), dtype):
             raise FetchError("non_finite", f"{path}: hidden states contain NaN or Inf", transient=False)
         return hidden, tokens[:n], dtype
 
@@ -228,6 +336,7 @@ class HiddenFileReader:
 
 __all__ = [
     "STORAGE_DTYPES",
+    "FileRows",
     "FileWait",
     "HiddenFileReader",
     "NotReady",

@@ -93,8 +93,9 @@ class Fetcher:
             opts.setdefault("api_key", self.config.api_key)
         if self.request_prefix is not None:
             opts.setdefault("request_prefix", self.request_prefix)
-        if self.config.reads_once:
-            opts.setdefault("check_finite", False)  # checked as the sample is read into its batch
+        if self.config.reads_once:  # read once into the batch, from the file, checked as it lands
+            opts.setdefault("check_finite", False)
+            opts.setdefault("map_files", False)
         return HiddenStateClient(ClientConfig(**opts))
 
     def wake(self) -> None:

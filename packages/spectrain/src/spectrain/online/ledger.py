@@ -224,6 +224,9 @@ class SampleLedger:
             entry = self.held.pop(sid, None)
             if entry is not None:
                 self.metrics.held_bytes -= entry[1]
+                close = getattr(entry[0].hidden_states, "close", None)
+                if close is not None:  # rows left in the server's file: free its pages now
+                    close()
                 if self.ready.get(sid) == "memory":
                     del self.ready[sid]
 
