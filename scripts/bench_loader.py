@@ -178,7 +178,9 @@ def bench_loader(
 ) -> dict:  # fmt: skip
     """Run the comparison (see the module docstring); returns the result dict."""
     repeats = repeats or (3 if quick else 5)
-    tokens = tokens or (48_000 if quick else 96_000)  # quick: still ~30 samples, so a pass's end does not dominate
+    tokens = tokens or (
+        48_000 if quick else 96_000
+    )  # quick: still ~30 samples, so a pass's end does not dominate
     base = directory or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
     with tempfile.TemporaryDirectory(prefix="bench-loader-", dir=base) as tmp:
         path = Path(tmp) / "store"

@@ -66,9 +66,7 @@ def main() -> None:
     ap.add_argument("--mode", choices=["all", "tiny", "realistic"], default="all",
                     help="tiny: the 64-wide server against a paced trainer; realistic: reference byte rates")  # fmt: skip
     ap.add_argument("--threads", type=int, default=2, help="realistic: loader read threads")
-    ap.add_argument(
-        "--repeats", type=int, default=None, help="realistic: interleaved repeats (default 3)"
-    )
+    ap.add_argument("--repeats", type=int, default=None, help="realistic: interleaved repeats (default 3)")
     args = ap.parse_args()
     if args.quick:
         args.prompts = min(args.prompts, 400)

@@ -242,8 +242,9 @@ def test_buffer_pool_hands_out_the_buffer_needing_the_least_zeroing():
     assert (got.data_ptr(), dirty) == (ptr[6], 6)  # the dirtiest not past 7 rows: nothing to zero
     got2, dirty2 = pool.take(shape, torch.float32, 2)
     assert (got2.data_ptr(), dirty2) == (ptr[3], 3)  # none fits: the cleanest, 1 row to zero
+    del got, got2
     got3, dirty3 = pool.take(shape, torch.float32, None)
-    assert (got3.data_ptr(), dirty3) == (ptr[8], 8)
+    assert (got3.data_ptr(), dirty3) == (ptr[3], 3)  # length not known yet: the cleanest
 
 
 class RecordingRead:
@@ -293,6 +294,33 @@ def test_next_sequence_is_packed_off_the_training_thread_while_a_step_runs():
     assert [b.sample_ids for b in rest] == [["s3", "s4"], ["s5", "s6"], ["s7", "s8"]]
     assert all(b.hidden_states[0, 0, 0].item() == int(b.sample_ids[0][1:]) for b in rest)
     assert all(name != threading.main_thread().name for _, name in src.log)
+
+
+@pytest.mark.parametrize("waits", [True, False])
+def test_a_source_whose_locate_waits_gets_each_read_started_at_once(waits):
+    gate = threading.Event()
+
+    class Waiting(LocatingSource):
+        locate_waits = waits
+
+        def locate(self, sid):
+            if sid == "s3":
+                gate.wait(30)  # an online source waiting for a fetch
+            return super().locate(sid)
+
+    src = Waiting({"s1": 4, "s2": 4, "s3": 4})
+    it = iter(
+        PackedLoader(src, ["s1", "s2", "s3"], total_seq_len=16, layers=None, hidden_dtype=torch.float32)
+    )
+    deadline = time.monotonic() + (30 if waits else 0.5)
+    while len(src.log) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    # copies overlap the wait for s3 when locate waits; otherwise they start when the sequence closes
+    assert sorted(sid for sid, _ in src.log) == (["s1", "s2"] if waits else [])
+    gate.set()
+    (b,) = list(it)
+    assert b.sample_ids == ["s1", "s2", "s3"] and b.num_tokens == 12
+    assert [b.hidden_states[i, 0, 0].item() for i in (0, 4, 8)] == [1.0, 2.0, 3.0]
 
 
 def test_a_refused_sample_becomes_padding_and_is_reported():

@@ -141,20 +141,22 @@ class BufferPool:
         self._dirty: dict[int, int] = {}  # data_ptr of a kept buffer -> rows that may be non-zero
         self._lock = threading.Lock()
 
-    def take(self, shape: tuple[int, ...], dtype: torch.dtype, used: int | None = None) -> tuple[torch.Tensor, int]:
+    def take(
+        self, shape: tuple[int, ...], dtype: torch.dtype, used: int | None = None
+    ) -> tuple[torch.Tensor, int]:
         """A buffer of ``shape`` that no batch uses, and how many of its leading rows may be non-zero.
 
-        With ``used`` (the rows the caller will fill) the free buffer needing the least zeroing
-        past ``used`` is chosen: the dirtiest one not dirtier than ``used``, else the cleanest.
-        Rows below the returned count hold stale data; rows from it on are zero.
+        The free buffer needing the least zeroing past ``used`` (the rows the caller will fill)
+        is chosen: the dirtiest one not dirtier than ``used``, else the cleanest; the cleanest
+        when ``used`` is not known yet. Rows below the returned count hold stale data; rows from
+        it on are zero.
         """
         with self._lock:
             same = [b for b in self._kept if tuple(b.shape) == shape and b.dtype == dtype]
             free = [b for b in same if b._use_count() == 1]  # no view of it (no batch) is alive
             if free:
-                rows = shape[0] if used is None else used
                 dirty = [self._dirty.get(b.data_ptr(), shape[0]) for b in free]
-                fits = [k for k, d in enumerate(dirty) if d <= rows]
+                fits = [] if used is None else [k for k, d in enumerate(dirty) if d <= used]
                 k = max(fits, key=dirty.__getitem__) if fits else min(range(len(free)), key=dirty.__getitem__)
                 return free[k].view(shape), dirty[k]
             buf = torch.empty(shape, dtype=dtype)
@@ -228,6 +230,8 @@ class PackedLoader:
         """Samples whose reads were refused (trained on nothing), in the order met."""
         self._warned_truncate = False
         self.buffers = buffers if buffers is not None else BufferPool(self.ahead + 3)
+        self.eager = bool(getattr(source, "locate_waits", False))
+        """Start each read as soon as its sample is placed (see :class:`_OpenSequence`)."""
 
     def __iter__(self) -> LoaderRun:
         return LoaderRun(self)
@@ -250,8 +254,9 @@ class PackedLoader:
             sid = self.plan[pos]
             yield pos, sid, locate(self.source, sid)
 
-    def _buffer(self, shape: tuple[int, ...], used: int) -> tuple[torch.Tensor, int]:
-        """A sequence buffer for ``used`` rows of data and the rows from which on it is already zero."""
+    def _buffer(self, shape: tuple[int, ...], used: int | None) -> tuple[torch.Tensor, int]:
+        """A sequence buffer for ``used`` rows of data (None: not known yet) and the rows from
+        which on it is already zero."""
         if self.pin:  # CUDA's caching host allocator reuses pinned blocks once their copies are done
             return torch.empty(shape, dtype=self.hidden_dtype, pin_memory=True), shape[0]
         return self.buffers.take(shape, self.hidden_dtype, used)
@@ -287,9 +292,11 @@ class _Pending:
 class _OpenSequence:
     """The sequence the packer is filling: slots handed out in plan order.
 
-    Its buffer is taken, and its reads start, when it closes: its length is known then, so the
-    buffer needing the least zeroing of padding is chosen, and the reads go to the threads
-    largest first (the threads finish a pass together).
+    By default its buffer is taken, and its reads start, when it closes: its length is known
+    then, so the buffer needing the least zeroing of padding is chosen, and the reads go to
+    the threads largest first (the threads finish a pass together). For a source whose
+    ``locate`` waits (an online source waiting for fetches: ``locate_waits``), each read starts
+    as soon as its sample is placed instead, so the copies overlap the waits.
     """
 
     def __init__(self, loader: PackedLoader, plan_start: int):
@@ -298,50 +305,70 @@ class _OpenSequence:
         self.used = 0
         self.sample_ids: list[str] = []
         self.placed: list[tuple[str, SampleRead, int, int]] = []  # (sample id, read, start slot, tokens)
+        self.pending: _Pending | None = None
+        self.dirty = 0
+        self.jobs: dict[int, Future] = {}  # start slot -> its read
 
-    def add(self, sample_id: str, read: SampleRead | None, n: int) -> None:
+    def add(self, sample_id: str, read: SampleRead | None, n: int, pool: ThreadPoolExecutor) -> None:
         self.sample_ids.append(sample_id)
         if read is None or n == 0:
             return
         self.placed.append((sample_id, read, self.used, n))
+        if self.loader.eager:
+            if self.pending is None:
+                self._allocate(read, None)
+            self._submit(pool, read, self.used, n)
         self.used += n
+
+    def _allocate(self, read: SampleRead, used: int | None) -> None:
+        L = self.loader
+        S = L.total_seq_len
+        n_layers, H = read.row_shape
+        n_sel = n_layers if L.layers is None or L.num_workers > 0 else len(L.layers)
+        pin = L.pin
+        hidden, self.dirty = L._buffer((S, n_sel, H), used)
+        self.pending = _Pending(
+            Batch(
+                torch.zeros(S, dtype=torch.int64, pin_memory=pin),
+                torch.zeros(S, dtype=torch.bool, pin_memory=pin),
+                torch.zeros(S, dtype=torch.int64, pin_memory=pin),
+                torch.full((S,), -1, dtype=torch.int64, pin_memory=pin),
+                torch.arange(1, S + 1, dtype=torch.int64).pin_memory() if pin else torch.arange(1, S + 1),
+                hidden,
+            )
+        )
+
+    def _submit(self, pool: ThreadPoolExecutor, read: SampleRead, lo: int, n: int) -> None:
+        b = self.pending.batch  # type: ignore[union-attr]
+        layers = None if self.loader.num_workers > 0 else self.loader.layers
+        hi = lo + n
+        self.jobs[lo] = pool.submit(
+            _read_job, read, b.hidden_states[lo:hi], b.input_ids[lo:hi], b.loss_mask[lo:hi], layers
+        )
 
     def close(self, plan_end: int, pool: ThreadPoolExecutor) -> _Pending:
         L = self.loader
-        S = L.total_seq_len
         if not self.placed:
-            batch = empty_batch(S, self.plan_start, plan_end, self.sample_ids, L.hidden_dtype)
+            batch = empty_batch(L.total_seq_len, self.plan_start, plan_end, self.sample_ids, L.hidden_dtype)
             return _Pending(batch)
-        n_layers, H = self.placed[0][1].row_shape
-        n_sel = n_layers if L.layers is None or L.num_workers > 0 else len(L.layers)
-        pin = L.pin
-        hidden, dirty = L._buffer((S, n_sel, H), self.used)
-        b = Batch(
-            torch.zeros(S, dtype=torch.int64, pin_memory=pin),
-            torch.zeros(S, dtype=torch.bool, pin_memory=pin),
-            torch.zeros(S, dtype=torch.int64, pin_memory=pin),
-            torch.full((S,), -1, dtype=torch.int64, pin_memory=pin),
-            torch.arange(1, S + 1, dtype=torch.int64).pin_memory() if pin else torch.arange(1, S + 1),
-            hidden,
-        )
-        pending = _Pending(b)
+        if self.pending is None:
+            self._allocate(self.placed[0][1], self.used)
+        pending = self.pending
+        assert pending is not None
+        b = pending.batch
         # the padding's states: zero where an earlier sequence wrote (a device copy zeroes them there)
-        if dirty > self.used and L.device is None:
-            pending.others.append(pool.submit(zero_rows, b.hidden_states[self.used : dirty]))
-        if not pin:
-            L.buffers.settle(hidden, self.used)
-        layers = None if L.num_workers > 0 else L.layers
-        jobs = {}
-        for sid, read, lo, n in sorted(self.placed, key=lambda p: -p[3]):
-            hi = lo + n
-            jobs[lo] = pool.submit(
-                _read_job, read, b.hidden_states[lo:hi], b.input_ids[lo:hi], b.loss_mask[lo:hi], layers
-            )
+        if self.dirty > self.used and L.device is None:
+            pending.others.append(pool.submit(zero_rows, b.hidden_states[self.used : self.dirty]))
+        if not L.pin:
+            L.buffers.settle(b.hidden_states, self.used)
+        for _, read, lo, n in sorted(self.placed, key=lambda p: -p[3]):
+            if lo not in self.jobs:
+                self._submit(pool, read, lo, n)
         for d, (sid, _, lo, n) in enumerate(self.placed):
             b.position_ids[lo : lo + n] = torch.arange(n)
             b.doc_ids[lo : lo + n] = d
             b.doc_ends[lo : lo + n] = lo + n
-            pending.reads.append((jobs[lo], sid, lo, lo + n))
+            pending.reads.append((self.jobs[lo], sid, lo, lo + n))
         b.sample_ids = self.sample_ids
         b.plan_start, b.plan_end, b.num_tokens = self.plan_start, plan_end, self.used
         return pending
@@ -443,7 +470,7 @@ class LoaderRun:
                 if read is not None and read.length > S and not L._warned_truncate:
                     log.warning("sample %r truncated to --total-seq-len %d tokens", sid, S)
                     L._warned_truncate = True
-                seq.add(sid, read, n)
+                seq.add(sid, read, n, self._pool)
             if seq is not None and not self._put(self._ready, seq.close(last + 1, self._pool)):
                 return
             self._put(self._ready, _END)

@@ -303,7 +303,11 @@ class ShardReader:
                 inner, row_bytes = layout
                 index = self._ensure_index(inner)
                 starts = index[:, 0].astype(np.int64)
-                if len(index) and (index[:, 1] == inner * row_bytes).all() and (np.diff(starts) == inner * row_bytes).all():
+                if (
+                    len(index)
+                    and (index[:, 1] == inner * row_bytes).all()
+                    and (np.diff(starts) == inner * row_bytes).all()
+                ):
                     found = (int(starts[0]), row_bytes)
             self._rows_at = found
         return self._rows_at  # type: ignore[return-value]
@@ -417,7 +421,9 @@ class ShardReader:
             if stream is None:  # nothing to check: one read
                 read_exact_into(fd, view, contiguous)
             else:
-                step = max(C.ChecksumStream.BLOCK, piece_bytes // C.ChecksumStream.BLOCK * C.ChecksumStream.BLOCK)
+                step = max(
+                    C.ChecksumStream.BLOCK, piece_bytes // C.ChecksumStream.BLOCK * C.ChecksumStream.BLOCK
+                )
                 stream.begin(len(view))
                 update = stream.update
                 for lo in range(0, len(view), step):

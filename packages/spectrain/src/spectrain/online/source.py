@@ -53,6 +53,7 @@ class OnlineSource:
     """
 
     lengths_exact = False  # a prompt's length costs a rendering: the trainer samples long plans
+    locate_waits = True  # locate() waits for fetches: the loader copies each sample as soon as it is placed
 
     def __init__(
         self,
