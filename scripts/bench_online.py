@@ -25,8 +25,9 @@ bytes are read raw (``preadv`` of each file into a reused page-locked buffer, 1 
 threads, the better counts), interleaved and repeated in one run: ``online_gbps`` and
 ``online_ratio`` (the default with ``--delete-consumed``: each fetched sample read once, server
 file -> validated -> batch, one copy), and the same with the scratch store
-(``persist_fetched=true``: ``online_gbps_scratch``, ``online_ratio_scratch``). Then a trainer
-stepping at half that ceiling (a sleep per step) gives ``real_wait_fraction``.
+(``persist_fetched=true``: ``online_gbps_scratch``, ``online_ratio_scratch``, on a shorter pass).
+Rates are whole passes (each pays one pipeline fill), of 6.3 GB (``--quick``) or 17 GB. Then a
+trainer stepping at half that ceiling (a sleep per step) gives ``real_wait_fraction``.
 
 Last stdout line: ``{"wait_fraction", "scratch_peak_bytes", "scratch_bound_bytes",
 "render_ms_per_prompt", "online_gbps", "online_ratio", "real_wait_fraction", ...}``.
