@@ -5,7 +5,8 @@ user's store with ``cache_generated``) on the I/O thread and committed with othe
 (file -> shard -> manifest, exactly as ``hsgen generate`` stores it), so the trainer reads only
 committed samples and a restarted run finds the ones it fetched but did not train. With
 ``persist_fetched`` off (only with ``delete_consumed``), the sample is instead held in memory as
-the client mapped it, read once straight into its batch, and released when its step completes.
+the client left it (its rows still in the server's file), read once straight into its batch, and
+released when its step completes.
 """
 
 from __future__ import annotations
