@@ -91,6 +91,13 @@ def format_report(report: dict[str, Any]) -> str:
 )
 @click.option("--device", default="cpu", help="Torch device for verifier and draft: cpu, cuda, cuda:1, ...")
 @click.option(
+    "--block-attention",
+    type=click.Choice(["auto", "bidirectional", "causal"]),
+    default="auto",
+    help="DFlash: attention inside the block; auto follows config.json's sliding_window_non_causal as vLLM "
+    "serves it (false = causal).",
+)
+@click.option(
     "--torch-threads",
     default=0,
     type=click.IntRange(min=0),
@@ -102,7 +109,7 @@ def format_report(report: dict[str, Any]) -> str:
 @click.option("--progress/--no-progress", default=True, help="Progress bar on stderr.")
 @click.option("--log-level", default="WARNING", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]))
 def eval_command(draft_dir, verifier, prompts_path, max_new_tokens, num_prompts, num_speculative_tokens, dtype,
-                 device, torch_threads, as_json, progress, log_level) -> None:  # fmt: skip
+                 device, block_attention, torch_threads, as_json, progress, log_level) -> None:  # fmt: skip
     """Speculative decoding with greedy verification: tau, per-position acceptance, exactness.
 
     The verifier runs with transformers; the draft is loaded from the exported (vLLM) format.
@@ -127,7 +134,8 @@ def eval_command(draft_dir, verifier, prompts_path, max_new_tokens, num_prompts,
     if torch_threads:
         torch.set_num_threads(torch_threads)
     try:
-        proposer = load_exported_draft(draft_dir, verifier, device=device)
+        proposer = load_exported_draft(draft_dir, verifier, device=device,
+                                       block_attention=None if block_attention == "auto" else block_attention)  # fmt: skip
         ver, tokenizer = load_verifier(verifier, proposer.layer_ids, dtype=dtype, device=device)
         prompts = load_prompts(prompts_path, tokenizer, num_prompts=num_prompts)
         limit = max_tokens(proposer)
@@ -151,6 +159,7 @@ def eval_command(draft_dir, verifier, prompts_path, max_new_tokens, num_prompts,
         "algorithm": proposer.algorithm,
         "verifier": str(verifier),
         "layer_ids": list(proposer.layer_ids),
+        "block_attention": getattr(proposer.model.cfg, "block_attention", None),
         "max_new_tokens": max_new_tokens,
         "verifier_dtype": dtype,
         **report.to_dict(),
