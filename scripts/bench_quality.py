@@ -18,7 +18,10 @@ No model can be downloaded, so the script builds a small but real target first:
    against the target's own greedy decoding) on held-out prompts.
 
 The last stdout line is JSON with ``tau_dflash``, ``tau_eagle3``, ``tau_baseline``,
-``exact_match``. Sizes: ``--quick`` (~70 s on 2 CPU cores once its target is cached, ~100 s before), the default (~30 minutes on
+``exact_match``. Ablations: ``--only dflash --train-args '--optimizer muon' --tag muon --work DIR``
+trains and evaluates one draft with extra ``spectrain train`` flags against the store kept in
+``DIR`` (the last line then holds that draft's ``tau``, per-position acceptance, training FLOPs
+and CPU step time). Sizes: ``--quick`` (~70 s on 2 CPU cores once its target is cached, ~100 s before), the default (~30 minutes on
 CPU) and ``--size gpu`` (chosen automatically when CUDA is available).
 """
 
@@ -33,6 +36,7 @@ import logging
 import math
 import os
 import random
+import shlex
 import shutil
 import subprocess
 import sys
@@ -434,9 +438,13 @@ def generate_hidden_states(
 
 
 def train_draft(algorithm: str, size: BenchSize, target: Path, store: Path, aux: list[int], work: Path,
-                device: str) -> tuple[Path, dict]:  # fmt: skip
-    """``spectrain train`` then ``spectrain export``; returns the exported directory and the train summary."""
-    save = work / f"train-{algorithm}"
+                device: str, extra: list[str] | None = None, tag: str = "") -> tuple[Path, dict]:  # fmt: skip
+    """``spectrain train`` (with ``extra`` flags) then ``spectrain export``; returns the exported
+    directory and the train summary with the run's compute (``train_flops``, ``step_time_s``)."""
+    suffix = f"{algorithm}-{tag}" if tag else algorithm
+    save = work / f"train-{suffix}"
+    if save.exists():
+        shutil.rmtree(save)
     args = [
         "train", "--store", str(store), "--verifier", str(target), "--verifier-name", "bench/stdlib-target",
         "--speculator-type", algorithm, "--save-path", str(save), "--epochs", str(size.draft_epochs),
@@ -449,9 +457,13 @@ def train_draft(algorithm: str, size: BenchSize, target: Path, store: Path, aux:
                  "--max-anchors", str(size.dflash_max_anchors)]  # fmt: skip
     else:
         args += ["--ttt-steps", str(size.eagle3_ttt_steps)]
-    summary = json.loads(run(spectrain_cmd(*args), f"spectrain train ({algorithm})") or "{}")
+    args += extra or []
+    t0 = time.perf_counter()
+    summary = json.loads(run(spectrain_cmd(*args), f"spectrain train ({suffix})") or "{}")
+    summary["train_seconds"] = round(time.perf_counter() - t0, 1)
+    summary.update(training_compute(save / "metrics.jsonl"))
     checkpoint = save / (save / "latest").read_text().strip()
-    out = work / f"draft-{algorithm}"
+    out = work / f"draft-{suffix}"
     run(
         spectrain_cmd("export", str(checkpoint), str(out), "--verifier-name", "bench/stdlib-target"),
         "spectrain export",
@@ -459,16 +471,32 @@ def train_draft(algorithm: str, size: BenchSize, target: Path, store: Path, aux:
     return out, summary
 
 
-def export_untrained(trained_checkpoint_cfg: Path, target: Path, out: Path) -> Path:
-    """The baseline: the same DFlash architecture at its initialization, exported the same way."""
+def training_compute(metrics: Path) -> dict:
+    """Total matmul FLOPs (the trainer's own count) and mean step time of a run, from its metrics log."""
+    flops = seconds = 0.0
+    steps = last = 0
+    for line in metrics.read_text().splitlines():
+        rec = json.loads(line)
+        if rec.get("split") != "train":
+            continue
+        n = rec["step"] - last
+        last = rec["step"]
+        flops += rec["flops_per_s"] * rec["step_time_s"] * n
+        seconds += rec["step_time_s"] * n
+        steps += n
+    return {"train_flops": flops, "step_time_s": round(seconds / max(steps, 1), 4), "steps_logged": steps}
+
+
+def export_untrained(aux: list[int], size: BenchSize, target: Path, out: Path) -> Path:
+    """The baseline: the benchmark's DFlash architecture at its initialization, exported the same way."""
     import torch
 
     from spectrain.export import export_draft
     from spectrain.models import build_draft, get_config_class
     from spectrain.verifier import VerifierHeads
 
-    resolved = json.loads(trained_checkpoint_cfg.read_text())
-    cfg = get_config_class(resolved["train"]["speculator_type"]).from_dict(resolved["draft"])
+    cfg = get_config_class("dflash")(aux_layer_ids=tuple(aux), num_layers=size.dflash_layers,
+                                     block_size=size.dflash_block_size, max_anchors=size.dflash_max_anchors)  # fmt: skip
     torch.manual_seed(0)
     model = build_draft(cfg, VerifierHeads.load(target))
     return export_draft(model, out, verifier_name="bench/stdlib-target")
@@ -517,6 +545,20 @@ def main(argv: list[str] | None = None) -> int:
         "--keep", action="store_true", help="Keep the working directory (store, checkpoints, drafts)."
     )
     parser.add_argument(
+        "--only",
+        choices=["dflash", "eagle3", "baseline"],
+        default=None,
+        help="Train and evaluate this draft only (ablations; the last line then describes it alone).",
+    )
+    parser.add_argument(
+        "--train-args",
+        default="",
+        help="Extra `spectrain train` flags for the trained draft(s), e.g. '--optimizer muon --lr 1e-3'.",
+    )
+    parser.add_argument(
+        "--tag", default="", help="Suffix of this run's train/draft directories under --work."
+    )
+    parser.add_argument(
         "--threads",
         type=int,
         default=1,
@@ -556,16 +598,17 @@ def main(argv: list[str] | None = None) -> int:
         results: dict[str, dict] = {}
         train_summaries = {}
         drafts = {}
-        for algorithm, aux in (("dflash", dflash_aux), ("eagle3", eagle_aux)):
+        extra = shlex.split(args.train_args)
+        trained = [a for a in ("dflash", "eagle3") if args.only in (None, a)]
+        for algorithm in trained:
+            aux = dflash_aux if algorithm == "dflash" else eagle_aux
             t0 = time.perf_counter()
             drafts[algorithm], train_summaries[algorithm] = train_draft(
-                algorithm, size, target, store, aux, work, device
+                algorithm, size, target, store, aux, work, device, extra, args.tag
             )
             timings[f"train_{algorithm}"] = time.perf_counter() - t0
-        latest = work / "train-dflash" / (work / "train-dflash" / "latest").read_text().strip()
-        drafts["baseline"] = export_untrained(
-            latest / "trainer" / "train_config.json", target, work / "draft-baseline"
-        )
+        if args.only in (None, "baseline"):
+            drafts["baseline"] = export_untrained(dflash_aux, size, target, work / "draft-baseline")
         for name, path in drafts.items():
             t0 = time.perf_counter()
             results[name] = evaluate_draft(path, target, eval_jsonl, size, device)
@@ -577,6 +620,7 @@ def main(argv: list[str] | None = None) -> int:
             "device": device,
             "target": facts,
             "layers": {"dflash": dflash_aux, "eagle3": eagle_aux, "store": store_layers},
+            "train_args": args.train_args,
             "train": train_summaries,
             "eval": {
                 name: {
@@ -595,7 +639,9 @@ def main(argv: list[str] | None = None) -> int:
             },
             "timings_s": {k: round(v, 1) for k, v in timings.items()},
         }
-        (work / "results.json").write_text(json.dumps(details, indent=2) + "\n")
+        (
+            work / f"results{'-' + args.tag if args.tag else ''}{'-' + args.only if args.only else ''}.json"
+        ).write_text(json.dumps(details, indent=2) + "\n")
         print(json.dumps(details, indent=2), file=sys.stderr)
         for name, r in results.items():
             rates = " ".join(f"{x:.2f}" for x in r["acceptance_rate"])
@@ -603,12 +649,21 @@ def main(argv: list[str] | None = None) -> int:
                 f"{name:>9}: tau {r['tau']:.3f}  K={r['num_speculative_tokens']}  per-position {rates}",
                 file=sys.stderr,
             )
-        final = {
-            "tau_dflash": round(results["dflash"]["tau"], 4),
-            "tau_eagle3": round(results["eagle3"]["tau"], 4),
-            "tau_baseline": round(results["baseline"]["tau"], 4),
-            "exact_match": all(r["exact_match"] for r in results.values()),
-        }
+        exact = all(r["exact_match"] for r in results.values())
+        if args.only:
+            r = results[args.only]
+            t = train_summaries.get(args.only, {})
+            final = {"draft": args.only, "tag": args.tag, "train_args": args.train_args, "tau": round(r["tau"], 4),
+                     "acceptance_rate": [round(x, 3) for x in r["acceptance_rate"]],
+                     "train_gflop": round(t.get("train_flops", 0.0) / 1e9, 1), "step_time_s": t.get("step_time_s"),
+                     "train_seconds": t.get("train_seconds"), "exact_match": exact}  # fmt: skip
+        else:
+            final = {
+                "tau_dflash": round(results["dflash"]["tau"], 4),
+                "tau_eagle3": round(results["eagle3"]["tau"], 4),
+                "tau_baseline": round(results["baseline"]["tau"], 4),
+                "exact_match": exact,
+            }
         print(json.dumps(final))
         return 0 if final["exact_match"] else 1
     finally:

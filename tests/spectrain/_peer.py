@@ -20,6 +20,14 @@ def import_peer(module: str):
     )
 
 
+def fp64_heads(verifier_dir):
+    """The tiny verifier's frozen heads in float64 (differential tests run both models in fp64)."""
+    from spectrain.verifier import VerifierHeads
+
+    torch.set_num_threads(1)
+    return VerifierHeads.load(verifier_dir, dtype=torch.float64)
+
+
 def layer_config(verifier_dir, kind: str, num_layers: int, sliding_window: int | None = None):
     """A ``transformer_layer_config`` for the peer's draft, shaped like the tiny verifier."""
     from transformers import AutoConfig, LlamaConfig, Qwen3Config

@@ -130,31 +130,34 @@ def test_speculators_eagle3_loads_and_runs_like_the_peer(tiny_model_dir, batch, 
     proposer = load_exported_draft(out, tiny_model_dir)
     ours = proposer.model
     assert ours.cfg.norm_before_fc and ours.cfg.norm_output and ours.input_norm is not None
-    # one TTT chain on the first document: the peer's own forward (its data shift) against ours
-    n = int(batch.doc_ends[0])
-    ctx = batch.aux_hidden[: n - 1].reshape(n - 1, -1)
-    seen = []
-    hook = peer.lm_head.register_forward_hook(lambda m, i, o: seen.append(o[0].detach()))
-    with torch.no_grad():
-        peer.eval()(
-            hidden_states=ctx[None], input_ids=batch.input_ids[1:n][None],
-            document_ids=torch.zeros(1, n - 1, dtype=torch.long), position_ids=torch.arange(1, n)[None], ttt_steps=3,
-        )  # fmt: skip
-    hook.remove()
+    T = int(batch.doc_ends[0]) - 4  # chains from slot T - 1 stay inside the document for 3 steps
     from spectrain.models import DraftContext
 
-    T = n - 4  # chains from slot T - 1 stay inside the document for 3 steps
+    ours_logits, peer_logits = _eagle3_step_logits(ours, peer.eval(), batch)
     chain = ours.propose(DraftContext(batch.aux_hidden[:T], batch.input_ids[: T + 1].tolist()), 1)
-    assert chain == [int(seen[0][T - 1].argmax())]
-    # the training forward, step by step, against the peer's logits (teacher forcing on both sides)
-    logits = []
+    assert chain == [int(peer_logits[0][T - 1].argmax())]
+    for j in range(3):
+        assert_same_tensor(ours_logits[j], peer_logits[j], f"step {j}")
+
+
+def _eagle3_step_logits(ours, peer, batch):
+    """Each TTT step's logits on the first document, ours and the peer's (teacher forcing on both
+    sides; the peer reads the document shifted as its data pipeline does), on the rows whose
+    three-step chains stay inside the document."""
+    n = int(batch.doc_ends[0])
+    seen, logits = [], []
+    hook = peer.lm_head.register_forward_hook(lambda m, i, o: seen.append(o[0].detach()))
+    with torch.no_grad():
+        peer(hidden_states=batch.aux_hidden[: n - 1].reshape(1, n - 1, -1), input_ids=batch.input_ids[1:n][None],
+             document_ids=torch.zeros(1, n - 1, dtype=torch.long), position_ids=torch.arange(1, n)[None],
+             ttt_steps=3)  # fmt: skip
+    hook.remove()
     hook = ours.norm.register_forward_hook(lambda m, i, o: logits.append(o.detach() @ ours.lm_head.weight.T))
     with torch.no_grad():
         ours(batch)
     hook.remove()
-    for j in range(3):
-        rows = torch.arange(0, n - 1 - j - 1)
-        assert_same_tensor(logits[j][rows], seen[j][rows], f"step {j}")
+    rows = [torch.arange(0, n - 2 - j) for j in range(3)]
+    return [logits[j][rows[j]] for j in range(3)], [seen[j][rows[j]] for j in range(3)]
 
 
 def test_full_vocabulary_maps_and_verifier_tensors_are_checked(tiny_model_dir, tmp_path):
@@ -289,19 +292,6 @@ def test_our_eagle3_export_loads_in_speculators(tiny_model_dir, batch, tmp_path)
     )  # as exported, and as the peer has
     assert peer.config.norm_before_fc and peer.config.norm_output and peer.config.draft_vocab_size == 500
     assert torch.equal(peer.t2d, ours.t2d) and torch.equal(peer.d2t, ours.d2t)
-    n = int(batch.doc_ends[0])
-    seen = []
-    hook = peer.lm_head.register_forward_hook(lambda m, i, o: seen.append(o[0].detach()))
-    with torch.no_grad():
-        peer(hidden_states=batch.aux_hidden[: n - 1].reshape(1, n - 1, -1), input_ids=batch.input_ids[1:n][None],
-             document_ids=torch.zeros(1, n - 1, dtype=torch.long), position_ids=torch.arange(1, n)[None],
-             ttt_steps=3)  # fmt: skip
-    hook.remove()
-    logits = []
-    hook = ours.norm.register_forward_hook(lambda m, i, o: logits.append(o.detach() @ ours.lm_head.weight.T))
-    with torch.no_grad():
-        ours(batch)
-    hook.remove()
+    ours_logits, peer_logits = _eagle3_step_logits(ours, peer, batch)
     for j in range(3):
-        rows = torch.arange(0, n - 2 - j)
-        assert_same_tensor(logits[j][rows], seen[j][rows], f"step {j}")
+        assert_same_tensor(ours_logits[j], peer_logits[j], f"step {j}")

@@ -11,10 +11,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _peer import assert_same_tensor, copy_into_peer, import_peer, layer_config, packed_batch, perturb_norms
+from _peer import (
+    assert_same_tensor,
+    copy_into_peer,
+    fp64_heads,
+    import_peer,
+    layer_config,
+    packed_batch,
+    perturb_norms,
+)
 
 from spectrain.models import build_draft, get_config_class
-from spectrain.verifier import VerifierHeads
 
 core = import_peer("models.dflash.core")
 peer_attention = import_peer("models.dflash.attention")
@@ -40,8 +47,7 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def heads(tiny_model_dir):
-    torch.set_num_threads(1)
-    return VerifierHeads.load(tiny_model_dir, dtype=torch.float64)
+    return fp64_heads(tiny_model_dir)
 
 
 @pytest.fixture(scope="module")

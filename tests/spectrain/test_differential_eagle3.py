@@ -13,10 +13,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _peer import assert_same_tensor, copy_into_peer, import_peer, layer_config, packed_batch, perturb_norms
+from _peer import (
+    assert_same_tensor,
+    copy_into_peer,
+    fp64_heads,
+    import_peer,
+    layer_config,
+    packed_batch,
+    perturb_norms,
+)
 
 from spectrain.models import build_draft, get_config_class
-from spectrain.verifier import VerifierHeads
 
 core = import_peer("models.eagle3.core")
 peer_attention = import_peer("models.eagle3.attention")
@@ -35,8 +42,7 @@ PEER_RECIPE = dict(target_mode="soft", loss_norm="count", loss_mask_on="source",
 
 @pytest.fixture(scope="module")
 def heads(tiny_model_dir):
-    torch.set_num_threads(1)
-    return VerifierHeads.load(tiny_model_dir, dtype=torch.float64)
+    return fp64_heads(tiny_model_dir)
 
 
 @pytest.fixture(scope="module")

@@ -87,6 +87,20 @@ class Optimizers:
         self.optimizers = optimizers
         self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, multiplier) for o in optimizers]
 
+    @property
+    def flops_per_step(self) -> float:
+        """Matmul FLOPs of one optimizer step: Muon's Newton-Schulz iterations (each
+        ``4 m^2 n + 2 m^3`` for an ``m x n`` matrix, ``m <= n``); AdamW's elementwise work is not counted."""
+        total = 0.0
+        for o in self.optimizers:
+            if type(o).__name__ != "Muon":
+                continue
+            for group in o.param_groups:
+                for p in group["params"]:
+                    m, n = sorted(p.shape[-2:])
+                    total += group["ns_steps"] * (4.0 * m * m * n + 2.0 * m**3)
+        return total
+
     def step(self) -> None:
         for o in self.optimizers:
             o.step()

@@ -818,6 +818,7 @@ class Trainer:
             grad_norm = float(torch.norm(torch.stack([p.grad.norm() for p in params if p.grad is not None])))
         self.optimizer.step()
         self.optimizer.zero_grad()
+        flops += self.optimizer.flops_per_step
         return total / len(micro), grad_norm, sums.sums, flops
 
     def _train_record(self, window, tokens, wait, elapsed, steps, flops, grad_norm, loss) -> dict[str, Any]:
