@@ -11,9 +11,9 @@ No model can be downloaded, so the script builds a small but real target first:
    out for evaluation); the target continues each greedily, as the DFlash and EAGLE papers
    regenerate responses with the target. The reference server (``hsgen serve``) and
    ``hsgen generate`` land the hidden states in a store, exactly as with vLLM.
-3. **Drafts.** ``spectrain train`` trains a DFlash and an Eagle3 draft with the same budget
-   (same samples, epochs, learning rate), ``spectrain export`` writes vLLM directories, and an
-   untrained DFlash draft is exported as the baseline.
+3. **Drafts.** ``spectrain train`` trains a DFlash and an Eagle3 draft on the same data (same
+   samples and epochs; each at its own swept learning rate), ``spectrain export`` writes vLLM
+   directories, and an untrained DFlash draft is exported as the baseline.
 4. **Eval.** ``spectrain eval``'s speculative decoding (greedy verification, outputs checked
    against the target's own greedy decoding) on held-out prompts.
 
@@ -92,7 +92,9 @@ class BenchSize:
     eval_new_tokens: int
     draft_epochs: int
     """Passes over the training prompts, the same for both drafts (the equal budget)."""
-    draft_lr: float
+    dflash_lr: float
+    """Peak learning rate of each draft, swept on this size with its default optimizer."""
+    eagle3_lr: float
     draft_seq_len: int
     """Tokens per packed training sequence (``--total-seq-len``)."""
     dflash_layers: int
@@ -117,7 +119,8 @@ SIZES: dict[str, BenchSize] = {
         num_eval_prompts=8,
         eval_new_tokens=40,
         draft_epochs=2,
-        draft_lr=3e-3,
+        dflash_lr=3e-3,
+        eagle3_lr=3e-3,
         draft_seq_len=1024,
         dflash_layers=2,
         dflash_max_anchors=256,
@@ -132,7 +135,8 @@ SIZES: dict[str, BenchSize] = {
         num_eval_prompts=24,
         eval_new_tokens=64,
         draft_epochs=3,
-        draft_lr=2e-3,
+        dflash_lr=3e-3,
+        eagle3_lr=2e-3,
         draft_seq_len=1024,
         dflash_layers=2,
         dflash_max_anchors=256,
@@ -147,7 +151,8 @@ SIZES: dict[str, BenchSize] = {
         num_eval_prompts=64,
         eval_new_tokens=128,
         draft_epochs=6,
-        draft_lr=6e-4,
+        dflash_lr=6e-4,
+        eagle3_lr=6e-4,
         draft_seq_len=8192,
         dflash_layers=5,
         dflash_max_anchors=2048,
@@ -155,6 +160,19 @@ SIZES: dict[str, BenchSize] = {
         eagle3_ttt_steps=7,
     ),
 }
+
+
+SPECULATORS_OPTIMIZER = (
+    "--optimizer muon --lr 1e-3 --weight-decay 0.01 --betas 0.9,0.999 --schedule linear --warmup-ratio 0.01"
+)
+SPECULATORS_RECIPE = {
+    "dflash": "--target-mode hard --loss-weighting dpace --loss-norm count --anchor-rule packed "
+    "--block-attention causal --sliding-window 2048 " + SPECULATORS_OPTIMIZER,
+    "eagle3": "--target-mode soft --loss-norm count --loss-mask-on source --freeze-lm-head --norm-before-fc "
+    "--norm-output --ttt-step-loss-decay 1.0 --sliding-window 2048 " + SPECULATORS_OPTIMIZER,
+}
+"""speculators 0.9.0's defaults as our options (tests/spectrain/test_differential_*.py prove them equal):
+``--recipe speculators`` trains with these, standing in for its trainer in a side-by-side run."""
 
 
 # --------------------------------------------------------------------------- corpus
@@ -448,7 +466,7 @@ def train_draft(algorithm: str, size: BenchSize, target: Path, store: Path, aux:
     args = [
         "train", "--store", str(store), "--verifier", str(target), "--verifier-name", "bench/stdlib-target",
         "--speculator-type", algorithm, "--save-path", str(save), "--epochs", str(size.draft_epochs),
-        "--lr", str(size.draft_lr), "--total-seq-len", str(size.draft_seq_len), "--save-every", "0",
+        "--lr", str(size.dflash_lr if algorithm == "dflash" else size.eagle3_lr), "--total-seq-len", str(size.draft_seq_len), "--save-every", "0",
         "--val-fraction", "0.02", "--target-layer-ids", " ".join(map(str, aux)), "--seed", "0",
         "--device", "cuda" if device.startswith("cuda") else "cpu", "--num-workers", "0", "--resume", "none",
     ]  # fmt: skip
@@ -461,7 +479,7 @@ def train_draft(algorithm: str, size: BenchSize, target: Path, store: Path, aux:
     t0 = time.perf_counter()
     summary = json.loads(run(spectrain_cmd(*args), f"spectrain train ({suffix})") or "{}")
     summary["train_seconds"] = round(time.perf_counter() - t0, 1)
-    summary.update(training_compute(save / "metrics.jsonl"))
+    summary.update(training_compute(save / "metrics.jsonl", int(summary.get("step") or 0)))
     checkpoint = save / (save / "latest").read_text().strip()
     out = work / f"draft-{suffix}"
     run(
@@ -471,10 +489,11 @@ def train_draft(algorithm: str, size: BenchSize, target: Path, store: Path, aux:
     return out, summary
 
 
-def training_compute(metrics: Path) -> dict:
-    """Total matmul FLOPs (the trainer's own count) and mean step time of a run, from its metrics log."""
+def training_compute(metrics: Path, steps: int) -> dict:
+    """Matmul FLOPs of a ``steps``-step run (the trainer's own count, per logged step) and its mean
+    step time, from the run's metrics log."""
     flops = seconds = 0.0
-    steps = last = 0
+    logged = last = 0
     for line in metrics.read_text().splitlines():
         rec = json.loads(line)
         if rec.get("split") != "train":
@@ -483,8 +502,9 @@ def training_compute(metrics: Path) -> dict:
         last = rec["step"]
         flops += rec["flops_per_s"] * rec["step_time_s"] * n
         seconds += rec["step_time_s"] * n
-        steps += n
-    return {"train_flops": flops, "step_time_s": round(seconds / max(steps, 1), 4), "steps_logged": steps}
+        logged += n
+    logged = max(logged, 1)
+    return {"train_flops": flops / logged * steps, "step_time_s": round(seconds / logged, 4)}
 
 
 def export_untrained(aux: list[int], size: BenchSize, target: Path, out: Path) -> Path:
@@ -556,6 +576,12 @@ def main(argv: list[str] | None = None) -> int:
         help="Extra `spectrain train` flags for the trained draft(s), e.g. '--optimizer muon --lr 1e-3'.",
     )
     parser.add_argument(
+        "--recipe",
+        choices=["ours", "speculators"],
+        default="ours",
+        help="Train with our defaults, or with speculators 0.9.0's recipe expressed as our options.",
+    )
+    parser.add_argument(
         "--tag", default="", help="Suffix of this run's train/draft directories under --work."
     )
     parser.add_argument(
@@ -598,13 +624,15 @@ def main(argv: list[str] | None = None) -> int:
         results: dict[str, dict] = {}
         train_summaries = {}
         drafts = {}
-        extra = shlex.split(args.train_args)
         trained = [a for a in ("dflash", "eagle3") if args.only in (None, a)]
         for algorithm in trained:
             aux = dflash_aux if algorithm == "dflash" else eagle_aux
+            recipe = SPECULATORS_RECIPE[algorithm] if args.recipe == "speculators" else ""
+            extra = shlex.split(recipe) + shlex.split(args.train_args)
+            tag = args.tag or ("speculators" if args.recipe == "speculators" else "")
             t0 = time.perf_counter()
             drafts[algorithm], train_summaries[algorithm] = train_draft(
-                algorithm, size, target, store, aux, work, device, extra, args.tag
+                algorithm, size, target, store, aux, work, device, extra, tag
             )
             timings[f"train_{algorithm}"] = time.perf_counter() - t0
         if args.only in (None, "baseline"):
@@ -620,6 +648,7 @@ def main(argv: list[str] | None = None) -> int:
             "device": device,
             "target": facts,
             "layers": {"dflash": dflash_aux, "eagle3": eagle_aux, "store": store_layers},
+            "recipe": args.recipe,
             "train_args": args.train_args,
             "train": train_summaries,
             "eval": {

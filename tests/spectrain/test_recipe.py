@@ -84,7 +84,7 @@ def _draft(heads, algorithm, **kw):
 
 
 def test_muon_takes_the_weight_matrices_and_adamw_the_rest(heads):
-    model = _draft(heads, "eagle3")
+    model = _draft(heads, "eagle3", freeze_lm_head=False)
     muon, rest = split_for_muon(model)
     names = {id(p): n for n, p in model.named_parameters()}
     assert {names[id(p)] for p in rest} == {n for n, p in model.named_parameters() if p.ndim == 1} | {
@@ -97,7 +97,7 @@ def test_muon_takes_the_weight_matrices_and_adamw_the_rest(heads):
     H = heads.hidden_size
     fc = 5 * (4.0 * H * H * 3 * H + 2.0 * H**3)  # fc is [H, 3H]
     assert opts.flops_per_step > fc
-    frozen = _draft(heads, "eagle3", freeze_lm_head=True)
+    frozen = _draft(heads, "eagle3")  # the default
     assert "lm_head.weight" not in {n for n, p in frozen.named_parameters() if p.requires_grad}
     assert build_optimizers(model, OptimConfig(), lambda s: 1.0).flops_per_step == 0.0
     with pytest.raises(ValueError, match="optimizer: 'sgd'"):

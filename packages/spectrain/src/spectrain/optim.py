@@ -41,8 +41,8 @@ class OptimConfig:
 
     def check(self) -> None:
         """Raise ``ValueError`` naming the field for an impossible setting."""
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer: {self.optimizer!r} is not {' | '.join(OPTIMIZERS)}")
+        if self.optimizer not in (*OPTIMIZERS, "auto"):
+            raise ValueError(f"optimizer: {self.optimizer!r} is not auto | {' | '.join(OPTIMIZERS)}")
         if self.muon_adjust_lr not in ("match_rms_adamw", "original"):
             raise ValueError(f"muon_adjust_lr: {self.muon_adjust_lr!r} is not match_rms_adamw | original")
         if self.muon_ns_steps < 1:
@@ -141,6 +141,8 @@ def build_optimizers(
 ) -> Optimizers:
     """The optimizer(s) of ``cfg.optimizer`` over the trainable parameters of ``module``."""
     cfg.check()
+    if cfg.optimizer == "auto":
+        raise ValueError("optimizer: 'auto' must be resolved to the algorithm's choice first")
     if cfg.optimizer == "adamw":
         params = [p for p in module.parameters() if p.requires_grad]
         adam = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,

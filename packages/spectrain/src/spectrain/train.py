@@ -76,8 +76,9 @@ class TrainConfig:
     """Stop (with a checkpoint) at this step without changing the schedule: time-boxed jobs."""
     lr: float = 6e-4
     """Peak learning rate (AdamW; Muon's too unless ``muon_lr`` is set)."""
-    optimizer: str = "adamw"
-    """``adamw``, or ``muon`` (``torch.optim.Muon`` on the weight matrices, AdamW on the rest)."""
+    optimizer: str = "auto"
+    """``adamw``, ``muon`` (``torch.optim.Muon`` on the weight matrices, AdamW on the rest), or
+    ``auto``: the algorithm's measured choice (``DraftConfig.default_optimizer``)."""
     muon_lr: float | None = None
     """Muon's peak learning rate (None: ``lr``)."""
     muon_momentum: float = 0.95
@@ -150,9 +151,12 @@ class TrainConfig:
         d["betas"] = list(self.betas)
         return d
 
-    def optim_config(self) -> OptimConfig:
-        """The optimizer settings among these fields."""
-        return OptimConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(OptimConfig)})
+    def optim_config(self, default_optimizer: str = "adamw") -> OptimConfig:
+        """The optimizer settings among these fields (``auto`` resolved to ``default_optimizer``)."""
+        opt = OptimConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(OptimConfig)})
+        if opt.optimizer == "auto":
+            opt.optimizer = default_optimizer
+        return opt
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], *, where: str = "config") -> TrainConfig:
@@ -531,7 +535,7 @@ class Trainer:
         warm = cfg.warmup_steps if cfg.warmup_steps is not None else int(cfg.warmup_ratio * self.total_steps)
         self.warmup = warm
         self.optimizer: Optimizers = build_optimizers(
-            self.wrapped, cfg.optim_config(),
+            self.wrapped, cfg.optim_config(self.draft_cfg.default_optimizer),
             lambda s: lr_lambda(s, self.total_steps, warm, cfg.schedule, cfg.min_lr_ratio),
             fused=self.device.type == "cuda",
         )  # fmt: skip

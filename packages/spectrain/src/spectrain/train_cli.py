@@ -142,8 +142,9 @@ def build_train_config(params: dict[str, Any]):
 @click.option("--lr", type=float, help="Peak learning rate (default 6e-4).")
 @click.option(
     "--optimizer",
-    type=click.Choice(["adamw", "muon"]),
-    help="adamw, or muon: torch.optim.Muon on weight matrices + AdamW on the rest (default adamw).",
+    type=click.Choice(["auto", "adamw", "muon"]),
+    help="adamw; muon: torch.optim.Muon on weight matrices + AdamW on the rest; auto: the algorithm's "
+    "measured choice (default auto).",
 )
 @click.option("--muon-lr", type=float, help="Muon's peak learning rate (default: --lr).")
 @click.option("--muon-momentum", type=float, help="Muon's momentum (default 0.95).")
@@ -211,12 +212,12 @@ def build_train_config(params: dict[str, Any]):
 @click.option(
     "--target-mode",
     type=click.Choice(["soft", "hard"]),
-    help="KL to the verifier's distribution, or cross-entropy on its argmax (default soft).",
+    help="KL to the verifier's distribution, or cross-entropy on its argmax (default hard).",
 )
 @click.option(
     "--loss-weighting",
     type=click.Choice(["exp-decay", "dpace"]),
-    help="DFlash: per-position loss weight (default exp-decay).",
+    help="DFlash: per-position loss weight (default dpace).",
 )
 @click.option(
     "--dpace-alpha", type=float, help="DFlash: D-PACE confidence smoothing in (0, 1] (default 0.5)."
@@ -225,7 +226,7 @@ def build_train_config(params: dict[str, Any]):
 @click.option(
     "--loss-norm",
     type=click.Choice(["weight", "count"]),
-    help="Divide the weighted loss by the weight sum or by the trained positions (default weight).",
+    help="Divide the weighted loss by the weight sum or by the trained positions (default: DFlash count, Eagle3 weight).",
 )
 @click.option(
     "--anchor-rule",
@@ -237,7 +238,7 @@ def build_train_config(params: dict[str, Any]):
     type=click.Choice(["bidirectional", "causal"]),
     help="DFlash: attention inside the block (default bidirectional).",
 )
-@click.option("--sliding-window", type=int, help="DFlash: context positions a block sees (default all).")
+@click.option("--sliding-window", type=int, help="Attention reaches at most N earlier positions (default all).")
 @click.option(
     "--ttt-step-loss-decay", type=float, help="Eagle3: loss weight decay per TTT step (default 0.8)."
 )
@@ -249,7 +250,7 @@ def build_train_config(params: dict[str, Any]):
 @click.option(
     "--freeze-lm-head/--no-freeze-lm-head",
     default=None,
-    help="Eagle3: keep lm_head at the verifier's rows (default no).",
+    help="Eagle3: keep lm_head at the verifier's rows (default yes).",
 )
 @click.option(
     "--norm-before-fc/--no-norm-before-fc",

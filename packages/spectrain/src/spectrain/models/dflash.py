@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -51,9 +51,11 @@ class DFlashConfig(DraftConfig):
     """Token id whose (frozen) embedding fills the masked block slots; None = verifier vocab_size - 1."""
     loss_gamma: float | None = None
     """Decay of the ``exp-decay`` weight; None = 7 / 5 / 4 for block size 16 / 10 / 8."""
-    loss_weighting: str = "exp-decay"
-    """Per-position loss weight: ``exp-decay`` (``exp(-(k - 1) / gamma)``) or ``dpace`` (the
-    expected accepted length each position gates, from the draft's own confidence)."""
+    target_mode: str = "hard"
+    loss_norm: str = "count"
+    loss_weighting: str = "dpace"
+    """Per-position loss weight: ``dpace`` (the expected accepted length each position gates,
+    from the draft's own confidence) or ``exp-decay`` (``exp(-(k - 1) / gamma)``)."""
     dpace_alpha: float = 0.5
     """Smoothing of D-PACE's confidence, in (0, 1]."""
     anchor_rule: str = "document"
@@ -62,6 +64,8 @@ class DFlashConfig(DraftConfig):
     block_attention: str = "bidirectional"
     """Inside the block: ``bidirectional`` or ``causal`` (exported as
     ``sliding_window_non_causal``, which vLLM honours)."""
+
+    default_optimizer: ClassVar[str] = "muon"
 
     def check(self) -> None:
         super().check()

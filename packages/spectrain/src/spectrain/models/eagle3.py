@@ -43,6 +43,7 @@ class Eagle3Config(DraftConfig):
     """Draft vocabulary size (clamped to the verifier's vocabulary)."""
     ttt_steps: int = 3
     """Training-time-test steps (the first is the ordinary next-token step)."""
+    target_mode: str = "hard"
     ttt_step_loss_decay: float = 0.8
     """Loss weight of step ``j`` is ``ttt_step_loss_decay ** j``."""
     norm_before_residual: bool = True
@@ -51,7 +52,7 @@ class Eagle3Config(DraftConfig):
     """RMSNorm (``input_norm``) over the concatenated auxiliary states before ``fc`` (Eagle 3.1)."""
     norm_output: bool = False
     """Feed the post-norm output of a step to the next one (Eagle 3.1), not the pre-norm one."""
-    freeze_lm_head: bool = False
+    freeze_lm_head: bool = True
     """Keep ``lm_head`` at the verifier's rows (no gradient, no optimizer state)."""
     loss_mask_on: str = "label"
     """Which loss-mask slot trains step ``j`` at ``t``: the predicted token's (``label``,

@@ -37,6 +37,8 @@ class DraftConfig:
     algorithm: ClassVar[str] = ""
     RETIRED: ClassVar[tuple[str, ...]] = ()
     """Options that no longer exist; older saved configs holding them still load."""
+    default_optimizer: ClassVar[str] = "adamw"
+    """What ``--optimizer auto`` means for this algorithm (chosen by measurement, docs/decisions.md)."""
 
     aux_layer_ids: tuple[int, ...] | None = None
     """vLLM extraction layer ids feeding the draft (a subset of the store's; default: all but the last)."""
@@ -52,10 +54,11 @@ class DraftConfig:
     """Reduced draft vocabulary (d2t/t2d built from token frequencies); None = full verifier vocabulary."""
     target_mode: str = "soft"
     """``soft``: KL divergence from the verifier's distribution; ``hard``: cross-entropy against
-    its argmax."""
+    its argmax (both built-in algorithms default to ``hard``: docs/decisions.md)."""
     loss_norm: str = "weight"
     """Divide the weighted loss sum by the sum of the weights (``weight``) or by the number of
-    trained positions (``count``, speculators; for Eagle3 the steps' means are then summed)."""
+    trained positions (``count``, speculators; for Eagle3 the steps' means are then summed).
+    DFlash defaults to ``count``."""
     sliding_window: int | None = None
     """Earlier positions the draft's attention reaches (speculators' sliding-attention layers):
     DFlash blocks see context slots ``>= anchor - sliding_window``, Eagle3 queries keys
