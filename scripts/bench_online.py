@@ -13,8 +13,21 @@ separately on stderr), and the peak bytes
 of the scratch directory against its configured bound (polled every 5 ms by a watcher thread).
 
 Also measured: milliseconds to render one prompt locally (what the trainer spends per prompt when
-it sizes an online run's LR schedule). Last stdout line: ``{"wait_fraction", "scratch_peak_bytes",
-"scratch_bound_bytes", "render_ms_per_prompt"}``.
+it sizes an online run's LR schedule).
+
+Realistic mode (``--mode realistic``; ``all``, the default, runs both): the reference byte rate.
+Files of the reference layout (hidden size 4096 x 4 layers, bf16, ~1.5k-token prompts) are
+written once; an *instant server* (its own process, speaking vLLM's protocol) answers each
+request at once by hard-linking the prompt's file into the shared directory. A trainer consumes
+through ``OnlineSource`` + ``PackedLoader`` (8192-token sequences) as fast as it can, and the same
+bytes are read raw (``preadv`` of each file into a reused page-locked buffer, 1 and ``--threads``
+threads, the better counts), interleaved and repeated in one run: ``online_gbps`` and
+``online_ratio`` (``persist_fetched=False``: server file -> validated -> batch, one copy), and the
+same with the default scratch store (``online_gbps_scratch``, ``online_ratio_scratch``). Then a
+trainer stepping at half that ceiling (a sleep per step) gives ``real_wait_fraction``.
+
+Last stdout line: ``{"wait_fraction", "scratch_peak_bytes", "scratch_bound_bytes",
+"render_ms_per_prompt", "online_gbps", "online_ratio", "real_wait_fraction", ...}``.
 """
 
 from __future__ import annotations
@@ -48,13 +61,30 @@ def main() -> None:
     ap.add_argument(
         "--shard-kb", type=int, default=0, help="scratch shard size, KiB (0: the default, bound/16)"
     )
+    ap.add_argument("--mode", choices=["all", "tiny", "realistic"], default="all",
+                    help="tiny: the 64-wide server against a paced trainer; realistic: reference byte rates")  # fmt: skip
+    ap.add_argument("--threads", type=int, default=2, help="realistic: loader read threads")
+    ap.add_argument(
+        "--repeats", type=int, default=None, help="realistic: interleaved repeats (default 3, quick 2)"
+    )
     args = ap.parse_args()
     if args.quick:
         args.prompts = min(args.prompts, 400)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("hsgen").setLevel(logging.WARNING)
     logging.getLogger("spectrain").setLevel(logging.WARNING)
+    result = {}
+    if args.mode in ("all", "tiny"):
+        result.update(tiny_bench(args))
+    if args.mode in ("all", "realistic"):
+        from online_realistic import realistic_bench  # scripts/online_realistic.py
 
+        result.update(realistic_bench(quick=args.quick, threads=args.threads, repeats=args.repeats))
+    print(json.dumps(result))
+
+
+def tiny_bench(args) -> dict:
+    """The paced-trainer run against the tiny reference server (see the module docstring)."""
     import torch
 
     from hsgen.sample_data import sample_chats_path
@@ -137,8 +167,8 @@ def main() -> None:
         "source": stats,
     }
     print(json.dumps(detail), file=sys.stderr)
-    print(json.dumps({"wait_fraction": steady, "scratch_peak_bytes": peak[0], "scratch_bound_bytes": bound,
-                      "render_ms_per_prompt": render_ms}))  # fmt: skip
+    return {"wait_fraction": steady, "scratch_peak_bytes": peak[0], "scratch_bound_bytes": bound,
+            "render_ms_per_prompt": render_ms}  # fmt: skip
 
 
 def render_ms_per_prompt(prompts: Path, model: Path) -> float:

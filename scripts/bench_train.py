@@ -9,7 +9,8 @@ MFU = the model's counted matmul FLOPs per step / step time / ``--peak-tflops``.
 
 Progress goes to stderr; the last stdout line is one JSON object with the keys ``device``,
 ``dflash_tokens_per_s``, ``eagle3_tokens_per_s``, ``loader_tokens_per_s``, ``dflash_mfu``,
-``eagle3_mfu`` (the MFU values are null on CPU).
+``eagle3_mfu`` (the MFU values are null on CPU), and ``loader_gbps`` / ``loader_ratio`` from
+``scripts/bench_loader.py`` (store -> packed sequence against a raw ``preadv`` of the same bytes).
 """
 
 from __future__ import annotations
@@ -155,12 +156,17 @@ def main() -> None:
     loader_hidden = 4096
     samples, tokens = (16, 1024) if args.quick else (48, 1024)
     loader = bench_loader(loader_hidden, samples, tokens, 8192, args.loader_workers)
+    from bench_loader import bench_loader as bench_loader_limit  # scripts/bench_loader.py
+
+    limit = bench_loader_limit(quick=args.quick)
     peak = args.peak_tflops * 1e12
     result = {
         "device": torch.cuda.get_device_name(device) if gpu else "cpu",
         "dflash_tokens_per_s": round(d["tokens_per_s"], 1),
         "eagle3_tokens_per_s": round(e["tokens_per_s"], 1),
         "loader_tokens_per_s": round(loader, 1),
+        "loader_gbps": limit["loader_gbps"],
+        "loader_ratio": limit["loader_ratio"],
         "dflash_mfu": round(d["flops"] / d["step_s"] / peak, 4) if gpu else None,
         "eagle3_mfu": round(e["flops"] / e["step_s"] / peak, 4) if gpu else None,
     }

@@ -111,23 +111,20 @@ def test_faults_never_store_corrupt_samples(tmp_path, chats, tiny_model_dir):
     assert len(fails) == summary["failed"] and all(f["sample_id"] not in store for f in fails)
 
 
+def _killable_generate(data, store_path, url, shared, tiny) -> list[str]:
+    """A slow-enough ``hsgen generate`` command line (small shards) to kill mid-run."""
+    args = [sys.executable, "-m", "hsgen.cli", "generate", str(data), "--store", str(store_path)]
+    args += ["--endpoint", url, "--shared-dir", str(shared), "--layer-ids", "1,2,4", "--tokenizer", str(tiny)]
+    return args + ["--shard-mb", "0.2", "--no-progress", "--log-level", "ERROR"]
+
+
 def test_resume_after_kill_9(tmp_path, chats, tiny_model_dir):
     shared = tmp_path / "shm"
     data = chats(120)
     store_path = tmp_path / "st"
     capacity = "prefill_tokens_per_s=20000,max_concurrent_seqs=4,step_overhead_s=0.05"
     with running_server("tiny", LAYERS, shared, capacity=capacity) as url:
-        args = [sys.executable, "-m", "hsgen.cli", "generate", str(data), "--store", str(store_path)]
-        args += ["--endpoint", url, "--shared-dir", str(shared), "--layer-ids", "1,2,4"]
-        args += [
-            "--tokenizer",
-            str(tiny_model_dir),
-            "--shard-mb",
-            "0.2",
-            "--no-progress",
-            "--log-level",
-            "ERROR",
-        ]
+        args = _killable_generate(data, store_path, url, shared, tiny_model_dir)
         proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 120
         n = 0
@@ -149,5 +146,60 @@ def test_resume_after_kill_9(tmp_path, chats, tiny_model_dir):
         r, summary = run_generate(data, store_path, url, shared, tiny_model_dir, "--max-len", "100000")
         assert r.returncode == 0, r.stderr[-3000:]
         assert summary["already_done"] == before and summary["stored"] == 120 - before
+    store = HiddenStateStore.open(store_path)
+    assert len(store) == 120 and store.verify() == []
+
+
+def _stored(path) -> int:
+    try:
+        return len(HiddenStateStore.open(path))
+    except Exception:  # not created yet
+        return 0
+
+
+def _in_flight_files(shared, planted) -> set[str]:
+    return set(os.listdir(shared)) - set(planted)
+
+
+def test_kill_9_leaves_no_server_file_of_that_client(tmp_path, chats, tiny_model_dir):
+    """Issue 14, point 3: after ``kill -9`` of ``hsgen generate``, ``hsgen gc --shared-dir`` and a
+    resume remove the files the server wrote for the dead client; another client's files stay."""
+    shared, store_path = tmp_path / "shm", tmp_path / "st"
+    shared.mkdir()
+    planted = [  # another hsgen client's request, its lock, and a file of a non-hsgen client
+        "cmpl-hsgen-0f0f0f0f0f0f-0123456789abcdef-0-cccccccc.safetensors",
+        "cmpl-hsgen-0f0f0f0f0f0f-0123456789abcdef-0-cccccccc.safetensors.lock",
+        "cmpl-0123456789abcdef-0-dddddddd.safetensors",
+    ]
+    for name in planted:
+        (shared / name).write_bytes(b"not ours")
+    data = chats(120)
+    capacity = "prefill_tokens_per_s=20000,max_concurrent_seqs=4,step_overhead_s=0.05"
+    with running_server("tiny", LAYERS, shared, capacity=capacity) as url:
+        args = _killable_generate(data, store_path, url, shared, tiny_model_dir)
+        for kill_round in (1, 2):
+            proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                time.sleep(0.1)
+                if len(_in_flight_files(shared, planted)) >= 2 and _stored(store_path) >= 10 * kill_round:
+                    break
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+            time.sleep(1.0)  # the server aborts or finishes the dead client's requests
+            assert _in_flight_files(shared, planted), "the kill left no server file: the test proves nothing"
+            if kill_round == 1:
+                r = subprocess.run(
+                    [sys.executable, "-m", "hsgen.cli", "gc", str(store_path), "--shared-dir", str(shared)],
+                    capture_output=True,
+                    text=True,
+                    timeout=60,
+                )
+                assert r.returncode == 0, r.stderr
+                assert sorted(os.listdir(shared)) == sorted(planted), r.stdout
+        r, summary = run_generate(data, store_path, url, shared, tiny_model_dir, "--max-len", "100000")
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert summary["orphans_removed"] >= 1
+    assert sorted(os.listdir(shared)) == sorted(planted)
     store = HiddenStateStore.open(store_path)
     assert len(store) == 120 and store.verify() == []

@@ -58,7 +58,12 @@ class FakeConfig:
         api_key: required bearer token (None = none).
         faults: a list of fault names consumed one per request (``None`` = no fault):
             ``http_500``, ``http_400``, ``http_401``, ``missing_file``, ``truncated``, ``nan``,
-            ``token_mismatch``, ``outside``, ``stale_lock``, ``hang`` (``hang_s``), ``bad_json``.
+            ``token_mismatch``, ``outside``, ``stale_lock``, ``hang`` (``hang_s``), ``bad_json``;
+            hostile ones: ``symlink_swap`` (the file is named in a subdirectory that becomes a
+            symlink to ``outside_dir`` before the file is written there), ``fifo_lock`` and
+            ``fifo_file`` (a FIFO where the lock or the file should be).
+        outside_dir: where ``outside`` and ``symlink_swap`` put their file (default: a sibling of
+            ``shared_dir``).
         fault_by_first_token: fault applied to every request whose first token id matches.
         metrics: serve ``/metrics``.
         capacity: sequences per step (None = unlimited, no steps); with ``step_s`` per step.
@@ -79,6 +84,7 @@ class FakeConfig:
     step_s: float = 0.05
     model: str = "fake-model"
     hang_s: float = 1.0
+    outside_dir: str | None = None
 
 
 class FakeVLLM:
@@ -180,10 +186,17 @@ class FakeVLLM:
         elif self.cfg.latency_s:
             await asyncio.sleep(self.cfg.latency_s)
         self.completions.append(ids)
-        directory = "/" if fault == "outside" else self.cfg.shared_dir
-        path = os.path.join(directory, f"cmpl-{uuid.uuid4().hex[:16]}-0-{uuid.uuid4().hex[:8]}.safetensors")
+        rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex[:16]
+        name = f"cmpl-{rid}-0-{uuid.uuid4().hex[:8]}.safetensors"
+        path = os.path.join(self.cfg.shared_dir, name)
+        outside = self.cfg.outside_dir or os.path.join(
+            os.path.dirname(self.cfg.shared_dir.rstrip("/")), "elsewhere"
+        )
         if fault == "outside":
-            path = os.path.join(os.path.dirname(self.cfg.shared_dir.rstrip("/")), "elsewhere.safetensors")
+            os.makedirs(outside, exist_ok=True)
+            path = os.path.join(outside, name)
+        if fault in ("symlink_swap", "fifo_lock", "fifo_file"):
+            return self._hostile(fault, ids, name, outside)
         file_ids = list(ids)
         if fault == "token_mismatch":
             file_ids[0] += 1
@@ -196,7 +209,7 @@ class FakeVLLM:
         lock = protocol.lock_path(path)
 
         def write() -> None:
-            if fault == "missing_file" or fault == "outside":
+            if fault == "missing_file":
                 return
             write_states_file(path, hidden, arr_ids, self.cfg.dtype)
             if fault == "truncated":
@@ -226,7 +239,36 @@ class FakeVLLM:
             t = asyncio.get_running_loop().create_task(later())
             self._pending_writes.add(t)
             t.add_done_callback(self._pending_writes.discard)
-        resp = {
+        return web.Response(text=json.dumps(self._response(ids, path)), content_type="application/json")
+
+    def _hostile(self, fault: str, ids: list[int], name: str, outside: str) -> web.Response:
+        """Answer with a path, then make it something the client must refuse."""
+        cfg = self.cfg
+        hidden = expected_states(ids, cfg.num_layers, cfg.hidden, cfg.dtype)
+        hidden[...] = 99  # the outside file's bytes: never to be stored
+        arr_ids = np.asarray(ids, dtype=np.int64)
+        if fault == "symlink_swap":
+            sub = os.path.join(cfg.shared_dir, f"d-{uuid.uuid4().hex[:8]}")
+            os.makedirs(sub)
+            path = os.path.join(sub, name)
+
+            async def swap() -> None:
+                await asyncio.sleep(cfg.write_delay_s)
+                os.rename(sub, sub + ".moved")
+                os.makedirs(outside, exist_ok=True)
+                os.symlink(outside, sub)
+                write_states_file(os.path.join(outside, name), hidden, arr_ids, cfg.dtype)
+
+            t = asyncio.get_running_loop().create_task(swap())
+            self._pending_writes.add(t)
+            t.add_done_callback(self._pending_writes.discard)
+        else:
+            path = os.path.join(cfg.shared_dir, name)
+            os.mkfifo(protocol.lock_path(path) if fault == "fifo_lock" else path)
+        return web.Response(text=json.dumps(self._response(ids, path)), content_type="application/json")
+
+    def _response(self, ids: list[int], path: str) -> dict:
+        return {
             "id": "cmpl-x",
             "object": "text_completion",
             "model": self.cfg.model,
@@ -242,7 +284,6 @@ class FakeVLLM:
             "usage": {"prompt_tokens": len(ids), "completion_tokens": 1},
             "kv_transfer_params": {"hidden_states_path": path},
         }
-        return web.Response(text=json.dumps(resp), content_type="application/json")
 
     # ------------------------------------------------------------------ lifecycle
     async def __aenter__(self) -> str:

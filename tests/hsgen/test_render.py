@@ -147,7 +147,7 @@ def test_fingerprint(tiny_model_dir, think_dir):
 
 
 def test_render_stream_skips(tmp_path, tiny_model_dir):
-    from hsgen.generate import Skipped
+    from hsgen.render import Skipped
 
     p = tmp_path / "d.jsonl"
     p.write_text(

@@ -8,7 +8,8 @@ import aiohttp
 import pytest
 
 from hsgen.inputs import parse_record
-from hsgen.render import ChatRenderer, RenderConfig, RenderError, render_messages_with_server
+from hsgen.render import ChatRenderer, RenderConfig, RenderError
+from hsgen.render_server import render_messages_with_server
 from hsgen.serve.testing import running_server
 
 CONV = [

@@ -242,6 +242,22 @@ def test_api_key_like_vllm(tmp_path):
         assert http(url, "/metrics")[0] == 200
 
 
+def test_api_key_guards_exactly_vllms_routes(tmp_path):
+    """vLLM's AuthenticationMiddleware: paths starting with /v1 need the key (scheme ``Bearer`` in any
+    case); /health, /ping, /version, /metrics, /tokenize, /detokenize do not; OPTIONS never."""
+    with running_server(tiny_dir(), TINY_LAYERS, tmp_path, api_key="sekret") as url:
+        for path, body in [("/version", None), ("/ping", None), ("/metrics", None),
+                           ("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1, 2]})]:  # fmt: skip
+            assert http(url, path, body)[0] == 200, path
+        chat = {"messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": True}
+        assert http(url, "/v1/chat/completions/render", chat)[0] == 401
+        for header in ("Bearer sekret", "bearer sekret", "BEARER sekret"):
+            assert http(url, "/v1/models", headers={"Authorization": header})[0] == 200, header
+        for header in ("Bearer sekret2", "Token sekret", "Bearersekret", "sekret"):
+            assert http(url, "/v1/models", headers={"Authorization": header})[0] == 401, header
+        assert http(url, "/v1/models", method="OPTIONS")[0] != 401
+
+
 def test_custom_save_path_honoured_when_allowed(tmp_path):
     custom = tmp_path / "elsewhere" / "x.safetensors"
     with running_server(tiny_dir(), TINY_LAYERS, tmp_path / "hs", allow_custom_save_path=True) as url:

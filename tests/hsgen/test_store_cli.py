@@ -87,8 +87,8 @@ def test_not_a_store_is_a_clear_error(tmp_path):
 def test_status_fast_matches_exact_and_exact_counts_duplicates_once(tmp_path):
     store = make_store(tmp_path / "s")
     store.delete_shard(next(iter(store.shards())))
-    fast = json.loads(run("status", "--json", tmp_path / "s").output)
-    exact = json.loads(run("status", "--json", "--exact", tmp_path / "s").output)
+    fast = json.loads(run("status", "--json", "--fast", tmp_path / "s").output)
+    exact = json.loads(run("status", "--json", tmp_path / "s").output)
     assert fast["exact"] is False and exact["exact"] is True
     for key in ("samples", "tokens", "bytes", "shards", "writers", "deleted_shards"):
         assert fast[key] == exact[key], key
@@ -96,7 +96,7 @@ def test_status_fast_matches_exact_and_exact_counts_duplicates_once(tmp_path):
     s = make_sample(HEADER, "1-0", 3)
     with store.writer("dup") as w:
         w.add("1-0", s.hidden_states, s.token_ids)
-    fast = json.loads(run("status", "--json", tmp_path / "s").output)
-    exact = json.loads(run("status", "--json", "--exact", tmp_path / "s").output)
+    fast = json.loads(run("status", "--json", "--fast", tmp_path / "s").output)
+    exact = json.loads(run("status", "--json", tmp_path / "s").output)
     assert fast["samples"] == exact["samples"] + 1 and exact["duplicates"] == 1
-    assert "duplicates   1" in run("status", "--exact", tmp_path / "s").output
+    assert "duplicates   1" in run("status", tmp_path / "s").output

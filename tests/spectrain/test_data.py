@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -188,17 +190,128 @@ def test_token_frequencies_count_loss_masked_tokens():
 
 
 def test_buffers_are_reused_only_when_released():
-    src = MemorySource({f"s{i}": 10 for i in range(1, 9)})
-    plan = [f"s{i}" for i in range(1, 9)]
+    src = MemorySource({f"s{i}": 10 for i in range(1, 25)})
+    plan = [f"s{i}" for i in range(1, 25)]
     kept = list(PackedLoader(src, plan, total_seq_len=20, layers=None, hidden_dtype=torch.float32))
     ptrs = {b.hidden_states.data_ptr() for b in kept}
-    assert len(ptrs) == len(kept) == 4  # all alive: no sharing
-    assert [b.hidden_states[0, 0, 0].item() for b in kept] == [1.0, 3.0, 5.0, 7.0]
+    assert len(ptrs) == len(kept) == 12  # all alive: no sharing
+    assert [b.hidden_states[0, 0, 0].item() for b in kept[:4]] == [1.0, 3.0, 5.0, 7.0]
     seen = set()
-    for b in PackedLoader(src, plan, total_seq_len=20, layers=None, hidden_dtype=torch.float32):
+    loader = PackedLoader(src, plan, total_seq_len=20, layers=None, hidden_dtype=torch.float32, ahead=2)
+    for b in loader:
         seen.add(b.hidden_states.data_ptr())
         del b
-    assert len(seen) <= 2  # released batches give their buffer back
+    # released batches give their buffer back: the one in use, those ready ahead, the one being packed
+    assert len(seen) <= loader.ahead + 2 < 12
+    assert len(loader.buffers._kept) <= loader.buffers.size
+
+
+class RecordingRead:
+    """A SampleRead that records the thread it ran on and when."""
+
+    def __init__(self, sid: str, n: int, log: list, corrupt: bool = False):
+        self.sample_id, self.length, self.dtype, self.row_shape = sid, n, "float32", (2, 3)
+        self.log, self.corrupt = log, corrupt
+
+    def read_into(self, hidden, token_ids, loss_mask):
+        from spectrain.sample_reads import SampleRefused
+
+        self.log.append((self.sample_id, threading.current_thread().name))
+        if self.corrupt:
+            raise SampleRefused(f"store /x: shard s/1.zarr: sample {self.sample_id!r}: checksum bad")
+        hidden[...] = int(self.sample_id[1:])
+        token_ids[...] = np.arange(self.length)
+        loss_mask[...] = 1
+
+
+class LocatingSource(MemorySource):
+    def __init__(self, lengths, corrupt=()):
+        super().__init__(lengths)
+        self.log: list = []
+        self.corrupt = set(corrupt)
+        self.refused_ids: list = []
+
+    def locate(self, sid):
+        return RecordingRead(sid, self.lengths_[sid], self.log, sid in self.corrupt)
+
+    def refused(self, sid, reason):
+        self.refused_ids.append((sid, reason))
+
+
+def test_next_sequence_is_packed_off_the_training_thread_while_a_step_runs():
+    src = LocatingSource({f"s{i}": 8 for i in range(1, 9)})
+    plan = [f"s{i}" for i in range(1, 9)]
+    it = iter(PackedLoader(src, plan, total_seq_len=16, layers=None, hidden_dtype=torch.float32, ahead=2))
+    first = next(it)
+    assert first.sample_ids == ["s1", "s2"]
+    deadline = time.monotonic() + 30
+    while len(src.log) < 6 and time.monotonic() < deadline:  # the "step": the consumer does nothing
+        time.sleep(0.01)
+    read = [sid for sid, _ in src.log]
+    assert {"s3", "s4", "s5", "s6"} <= set(read)  # the next two sequences were read during the step
+    rest = list(it)
+    assert [b.sample_ids for b in rest] == [["s3", "s4"], ["s5", "s6"], ["s7", "s8"]]
+    assert all(b.hidden_states[0, 0, 0].item() == int(b.sample_ids[0][1:]) for b in rest)
+    assert all(name != threading.main_thread().name for _, name in src.log)
+
+
+def test_a_refused_sample_becomes_padding_and_is_reported():
+    src = LocatingSource({"s1": 5, "s2": 7, "s3": 4}, corrupt=("s2",))
+    loader = PackedLoader(src, ["s1", "s2", "s3"], total_seq_len=16, layers=None, hidden_dtype=torch.float32)
+    (b,) = list(loader)
+    assert b.sample_ids == ["s1", "s2", "s3"] and b.plan_end == 3  # packing unchanged: resume stays exact
+    assert b.doc_ids.tolist() == [0] * 5 + [-1] * 7 + [2] * 4 + [-1] * 0
+    assert not b.loss_mask[5:12].any() and (b.hidden_states[5:12] == 0).all()
+    assert b.doc_ends[5:12].tolist() == list(range(6, 13))
+    assert (b.hidden_states[12:16] == 3).all() and b.loss_mask[12:16].all()
+    assert loader.refused == ["s2"]
+    assert src.refused_ids and "s2" in src.refused_ids[0][1] and "shard" in src.refused_ids[0][1]
+
+
+def test_store_samples_are_checked_and_a_damaged_one_is_skipped(tiny_store, tmp_path, caplog):
+    import shutil
+
+    from hsgen.store import HiddenStateStore
+
+    path = tmp_path / "store"
+    shutil.copytree(tiny_store, path)
+    store = HiddenStateStore.open(path)
+    sid = store.sample_ids()[5]
+    rec = store.record(sid)
+    row = store.header.num_layers * store.header.hidden_size * 2
+    with open(path / rec.shard / "hidden_states/c/0/0/0", "r+b") as f:  # NaN over one token's first layer
+        f.seek((rec.offset + 1) * row)
+        f.write(np.full(store.header.hidden_size, 0x7FC0, np.uint16).tobytes())
+    src = StoreSource(path, val_fraction=0.0)
+    plan = src.plan(0)
+    kw = dict(total_seq_len=512, layers=[0, 1, 2, 3], hidden_dtype=torch.bfloat16)
+    loader = PackedLoader(src, plan, **kw)
+    batches = list(loader)
+    assert loader.refused == [sid]
+    assert any(
+        str(path) in r.message and rec.shard in r.message and repr(sid) in r.message for r in caplog.records
+    )
+    for b in batches:
+        assert torch.isfinite(b.hidden_states.float()).all()
+        if sid in b.sample_ids:
+            assert b.loss_mask.sum() > 0  # the other samples of the sequence still train
+    unchecked = PackedLoader(StoreSource(path, val_fraction=0.0, verify=False), plan, **kw)
+    assert any(not torch.isfinite(b.hidden_states.float()).all() for b in unchecked)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_sequences_arrive_on_the_device_equal_to_the_host_ones(tiny_store):
+    src = StoreSource(tiny_store, val_fraction=0.0)
+    plan = src.plan(0)
+    kw = dict(total_seq_len=400, layers=[0, 1, 3], hidden_dtype=torch.bfloat16)
+    host = list(PackedLoader(src, plan, **kw))
+    dev = list(PackedLoader(src, plan, pin_memory=True, device="cuda", **kw))
+    assert len(host) == len(dev)
+    for h, d in zip(host, dev, strict=True):
+        assert d.hidden_states.is_cuda and d.sample_ids == h.sample_ids
+        for a, b in zip(h.tensors(), d.tensors(), strict=True):
+            assert torch.equal(a, b.cpu())
 
 
 def test_estimated_packed_sequences_sample_long_plans_only():

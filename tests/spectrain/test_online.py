@@ -417,3 +417,78 @@ def test_validation_source_fetches_its_split_and_cleans_up(
         finally:
             val.close()
         assert not scratch.exists()
+
+
+def _batches(src: OnlineSource, epoch: int, seq: int = 256):
+    """Train-like loop through the loader: yields each batch, then reports its samples consumed."""
+    import torch
+
+    from spectrain.data import PackedLoader
+
+    loader = PackedLoader(src, src.plan(epoch), total_seq_len=seq, layers=None, hidden_dtype=torch.float32)
+    for b in loader:
+        yield b
+        src.consumed(b.sample_ids)
+    return loader
+
+
+def test_read_once_lands_in_the_batch_and_never_in_scratch(
+    server, prompts_file, tiny_model_dir, tmp_path, rendered
+):
+    import torch
+
+    cfg = make_config(
+        server, prompts_file, tiny_model_dir, tmp_path, delete_consumed=True, persist_fetched=False,
+        scratch_bytes=3 << 20,
+    )  # fmt: skip
+    with OnlineSource(cfg) as src:
+        for epoch in (0, 1):
+            seen = []
+            for b in _batches(src, epoch):
+                first = b.sample_ids[0]
+                held = src.get(first)  # the same mapping the batch was read from, still held
+                n = min(len(held.token_ids), 256)
+                assert torch.equal(b.hidden_states[:n], torch.from_numpy(np.array(held.hidden_states[:n])))
+                off = 0
+                for sid in b.sample_ids:
+                    ids = rendered[0][sid].token_ids[:256]
+                    assert b.input_ids[off : off + len(ids)].tolist() == ids
+                    off += len(ids)
+                seen += b.sample_ids
+            assert sorted(seen) == sorted(rendered[0])
+            with src.ledger.lock:
+                assert not src.ledger.held  # released once their step completed
+        stats = src.stats()
+        scratch = HiddenStateStore.open(src.scratch_path)
+        assert len(scratch) == 0 and scratch.shards() == {}  # nothing was written
+    assert stats["samples_generated"] == 2 * N_PROMPTS and stats["samples_failed"] == 0
+
+
+def test_read_once_refuses_non_finite_states_as_they_are_copied(
+    server, prompts_file, tiny_model_dir, tmp_path, rendered
+):
+    import torch
+
+    server.set_faults("nan=1.0:2")
+    try:
+        cfg = make_config(
+            server, prompts_file, tiny_model_dir, tmp_path, delete_consumed=True, persist_fetched=False
+        )
+        with OnlineSource(cfg) as src:
+            trained = 0
+            for b in _batches(src, 0):
+                assert torch.isfinite(b.hidden_states).all()
+                trained += int((b.doc_ids >= 0).sum())
+            stats = src.stats()
+            failures = [json.loads(x) for x in src.failures_path.read_text().splitlines()]
+    finally:
+        server.set_faults(None)
+    assert stats["samples_failed"] == 2 and len(failures) == 2
+    assert all("NaN" in rec["reason"] for rec in failures)
+    total = sum(min(len(p.token_ids), 256) for p in rendered[0].values())
+    assert 0 < trained < total
+
+
+def test_read_once_needs_delete_consumed():
+    with pytest.raises(ValueError, match="persist_fetched"):
+        OnlineConfig(["http://x"], ["p"], "s", "v", persist_fetched=False).validate()

@@ -8,12 +8,18 @@ import importlib
 import click
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "status": ("hsgen.store.cli:status", "Summarize a store: samples, tokens, bytes, shards, writers."),
+    "status": (
+        "hsgen.store.cli:status",
+        "Summarize a store: unique samples, tokens, bytes, shards, writers.",
+    ),
     "verify": (
         "hsgen.store.cli:verify",
         "Check every sample's checksum and shape; non-zero exit on failure.",
     ),
-    "gc": ("hsgen.store.cli:gc", "Remove orphaned temp files and deleted shards from a store."),
+    "gc": (
+        "hsgen.store.cli:gc",
+        "Reclaim space: temp files, deleted shards, duplicate copies; --repair, --shared-dir.",
+    ),
     "serve": (
         "hsgen.serve.cli:serve",
         "Run the reference hidden-state server (vLLM's protocol, transformers).",

@@ -1,12 +1,13 @@
-"""The offline pipeline: prompts -> servers -> validated hidden states -> a store, resumably.
+"""The offline pipeline: prompt -> request -> file -> shard -> manifest, resumably.
 
-``generate`` keeps every server saturated (``hsgen.saturate``), hands each validated sample
-to one ``ShardWriter`` running in its own thread, and bounds memory: no new request starts
-while the samples fetched but not yet written exceed ``max_buffer_bytes``. A sample is in
-the store only once its shard is committed; nothing partial is ever stored, so a run killed
-at any point (even ``kill -9``) leaves a store that the next run resumes, skipping the ids
-already present. Prompts that still fail after the retries are written with their reason
-to a JSONL failures file.
+``generate`` reads the prompt stream, lets :class:`~hsgen.prompt_filter.PromptFilter` pick the
+ones to request, keeps every server saturated (``hsgen.saturate``) through one
+:class:`~hsgen.client.HiddenStateClient` (request, then the server's file, validated and
+removed), and hands each sample to :class:`~hsgen.store_sink.StoreSink`, which writes shards
+and their manifest records. A sample is in the store only once its shard is committed; a run
+killed at any point (even ``kill -9``) leaves a store that the next run resumes, skipping the
+ids already present. Prompts that still fail after the retries are written with their reason
+to a JSONL failures file (:class:`~hsgen.run_report.RunReport`).
 
 Exit codes (``GenerateSummary.exit_code``): 0 every prompt is in the store, 3 partial
 success (some prompts failed, others were stored), 1 failure (nothing stored despite
@@ -17,47 +18,38 @@ failures, or a fatal error such as a rejected API key or a server/store mismatch
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
-import functools
-import hashlib
-import json
 import logging
 import os
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from collections.abc import AsyncIterable, Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hsgen.client import ClientConfig, FatalError, FetchedSample, FetchError, HiddenStateClient
-from hsgen.render import RenderedPrompt
+from hsgen.client import ClientConfig, FatalError, FetchError, HiddenStateClient
+from hsgen.prompt_filter import PromptFilter, iterate, rank_of
+from hsgen.render import RenderedPrompt, Skipped
+from hsgen.run_report import (
+    EXIT_FAILURE,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_PARTIAL,
+    GenerateSummary,
+    RunReport,
+)
 from hsgen.saturate import SaturationConfig, Saturator
+from hsgen.store.leases import (
+    HEARTBEAT_S,
+    Lease,
+    LeaseConflict,
+    acquire_lease,
+    read_leases,
+    sweep_dead_leases,
+)
+from hsgen.store_sink import LazyStore, StoreSink, describe_os_error
 
 log = logging.getLogger(__name__)
-
-EXIT_OK = 0
-EXIT_FAILURE = 1
-EXIT_PARTIAL = 3
-EXIT_INTERRUPTED = 130
-
-
-@dataclass(frozen=True)
-class Skipped:
-    """An input that never became a request (bad record, too long), passed through for the report.
-
-    Attributes:
-        reason: ``bad_input`` or ``too_long``.
-        message: what was wrong, naming the file and line.
-        sample_id: the id, when known.
-        source: ``file:line``.
-    """
-
-    reason: str
-    message: str
-    sample_id: str | None = None
-    source: str = ""
 
 
 @dataclass
@@ -77,6 +69,8 @@ class GenerateConfig:
         max_samples: stop after this many new samples are requested (None = all).
         max_consecutive_failures: abort when this many prompts fail in a row (0 = never).
         stop_grace_s: after a stop request, how long in-flight requests may finish.
+        on_bad_input: ``"fail"`` stops at an id repeated with different content; ``"skip"``
+            reports it and keeps the first.
     """
 
     client: ClientConfig
@@ -91,155 +85,21 @@ class GenerateConfig:
     max_samples: int | None = None
     max_consecutive_failures: int = 200
     stop_grace_s: float = 30.0
+    on_bad_input: str = "skip"
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
             raise ValueError(f"--rank must be in 0..{self.world_size - 1} (got rank {self.rank})")
         if self.max_buffer_bytes < 1:
             raise ValueError("max_buffer_bytes must be positive")
-
-
-@dataclass
-class GenerateSummary:
-    """What a run did; ``to_json`` is the one-line summary ``hsgen generate`` prints."""
-
-    status: str = "ok"
-    stored: int = 0
-    already_done: int = 0
-    other_rank: int = 0
-    duplicates: int = 0
-    failed: int = 0
-    bad_input: int = 0
-    too_long: int = 0
-    truncated: int = 0
-    tokens: int = 0
-    bytes: int = 0
-    seconds: float = 0.0
-    samples_per_s: float = 0.0
-    tokens_per_s: float = 0.0
-    gb_per_s: float = 0.0
-    retries: int = 0
-    failure_reasons: dict[str, int] = field(default_factory=dict)
-    fatal: str | None = None
-    store: str = ""
-    failures_file: str | None = None
-    endpoints: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def exit_code(self) -> int:
-        if self.fatal:
-            return EXIT_FAILURE
-        if self.status == "interrupted":
-            return EXIT_INTERRUPTED
-        if self.failed == 0:
-            return EXIT_OK
-        return EXIT_PARTIAL if self.stored + self.already_done > 0 else EXIT_FAILURE
-
-    def to_json(self) -> str:
-        """The summary as one JSON line, ``exit_code`` included."""
-        d = asdict(self)
-        d["exit_code"] = self.exit_code
-        return json.dumps(d, sort_keys=False)
-
-
-def rank_of(sample_id: str, world_size: int) -> int:
-    """The rank that owns ``sample_id``: a stable hash of the id, mod ``world_size``."""
-    digest = hashlib.sha256(sample_id.encode()).digest()
-    return int.from_bytes(digest[:8], "big") % world_size
-
-
-async def _aiter(items: Iterable[Any] | AsyncIterable[Any], batch: int = 32) -> AsyncIterator[Any]:
-    """Iterate ``items``; a plain iterable is pulled in a worker thread (rendering costs CPU)."""
-    if hasattr(items, "__aiter__"):
-        async for x in items:  # type: ignore[union-attr]
-            yield x
-        return
-    it = iter(items)  # type: ignore[arg-type]
-    loop = asyncio.get_running_loop()
-    with ThreadPoolExecutor(1, thread_name_prefix="hsgen-input") as pool:
-        deferred: list[BaseException] = []
-
-        def pull() -> list[Any]:
-            out: list[Any] = []
-            try:
-                for x in it:
-                    out.append(x)
-                    if len(out) >= batch:
-                        break
-            except Exception as e:  # deliver the items read before the error first
-                if not out:
-                    raise
-                deferred.append(e)
-            return out
-
-        while True:
-            if deferred:
-                raise deferred.pop()
-            chunk = await loop.run_in_executor(pool, pull)
-            if not chunk:
-                return
-            for x in chunk:
-                yield x
-
-
-class _FailureLog:
-    def __init__(self, path: str | None):
-        self.path = path
-        self._f = None
-
-    def write(self, record: dict[str, Any]) -> None:
-        if self.path is None:
-            return
-        if self._f is None:
-            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-            self._f = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open for the run
-        record = {"time": round(time.time(), 3), **record}
-        self._f.write(json.dumps(record, ensure_ascii=False) + "\n")
-        self._f.flush()
-
-    def close(self) -> None:
-        if self._f is not None:
-            self._f.close()
-            self._f = None
-
-
-class _Progress:
-    def __init__(self, enabled: bool):
-        self.bar = None
-        self._last = 0.0
-        if enabled:
-            from tqdm import tqdm
-
-            self.bar = tqdm(unit="sample", dynamic_ncols=True, smoothing=0.1, desc="generate")
-
-    def update(
-        self, n: int, summary: GenerateSummary, t0: float, in_flight: int, force: bool = False
-    ) -> None:
-        if self.bar is None:
-            return
-        self.bar.update(n)
-        now = time.monotonic()
-        if force or now - self._last > 0.5:
-            self._last = now
-            dt = max(1e-9, now - t0)
-            self.bar.set_postfix_str(
-                f"{summary.tokens / dt:,.0f} tok/s, {summary.bytes / dt / 1e9:.3f} GB/s, "
-                f"in flight {in_flight}, errors {summary.failed}",
-                refresh=False,
-            )
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
-StoreOrFactory = Any  # HiddenStateStore | Callable[[FetchedSample], HiddenStateStore]
+        if self.on_bad_input not in ("skip", "fail"):
+            raise ValueError(f"on_bad_input must be 'skip' or 'fail', got {self.on_bad_input!r}")
 
 
 async def generate(
     config: GenerateConfig,
     prompts: AsyncIterable[RenderedPrompt | Skipped] | Iterable[RenderedPrompt | Skipped],
-    store: StoreOrFactory,
+    store: Any,
     *,
     progress: bool = True,
     stop: asyncio.Event | None = None,
@@ -249,122 +109,184 @@ async def generate(
     Args:
         config: servers, concurrency, sharding, limits.
         prompts: rendered prompts (``Skipped`` items are only counted and logged).
-        store: an open ``HiddenStateStore``, or a callable creating it from the first fetched
-            sample (used when the store does not exist yet and its header needs the shape).
+        store: an open ``HiddenStateStore``, or a :class:`~hsgen.store_sink.LazyStore` (or any
+            callable) creating it from the first fetched sample, for a store that does not
+            exist yet (its header needs the shape).
         progress: show a tqdm bar on stderr.
         stop: set it to stop starting requests; in-flight ones finish within
             ``config.stop_grace_s`` (then are cancelled) and completed samples are committed.
     """
-    t0 = time.monotonic()
-    stop = stop or asyncio.Event()
-    summary = GenerateSummary(failures_file=config.failures_path)
-    failures = _FailureLog(config.failures_path)
-    bar = _Progress(progress)
-    factory: Callable[[FetchedSample], Any] | None = None
-    store_obj = None
-    if callable(store) and not hasattr(store, "writer"):
-        factory = store
-    else:
-        store_obj = store
-        store_obj.refresh()
-        summary.store = str(store_obj.path)
-    wexec = ThreadPoolExecutor(1, thread_name_prefix="hsgen-store")
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[FetchedSample | None] = asyncio.Queue()
-    buffered = {"bytes": 0}
-    buffer_cond = asyncio.Condition()
-    reasons: collections.Counter[str] = collections.Counter()
-    state = {"consecutive_failures": 0, "writer": None, "added": 0}
-    tasks: set[asyncio.Task] = set()
+    return await _Run(config, store, progress, stop or asyncio.Event()).execute(prompts)
 
-    def fail(item_id: str | None, reason: str, message: str, **extra: Any) -> None:
-        reasons[reason] += 1
-        failures.write({"sample_id": item_id, "reason": reason, "error": message, **extra})
 
-    def abort(message: str) -> None:
+class _Run:
+    """One ``generate`` call: owns the report, the client, the saturator and the sink."""
+
+    def __init__(self, config: GenerateConfig, store: Any, progress: bool, stop: asyncio.Event):
+        self.config = config
+        self.stop = stop
+        self.report = RunReport(config.failures_path, progress)
+        self.report.on_write_error = lambda e: self.abort(
+            f"cannot write the failures file: {describe_os_error(e)}"
+        )
+        self.sink = StoreSink(
+            store,
+            writer_id=config.writer_id,
+            shard_bytes=config.shard_bytes,
+            commit_interval_s=config.commit_interval_s,
+            max_buffer_bytes=config.max_buffer_bytes,
+            report=self.report,
+            on_fatal=self.abort,
+        )
+        self.filter = PromptFilter(
+            world_size=config.world_size,
+            rank=config.rank,
+            max_samples=config.max_samples,
+            on_bad_input=config.on_bad_input,
+            report=self.report,
+        )
+        self.client = HiddenStateClient(config.client)
+        self.sat = Saturator(
+            config.saturation, list(self.client.endpoints), self.client.metrics, self.client.healthy
+        )
+        self.tasks: set[asyncio.Task] = set()
+        self.consecutive_failures = 0
+
+    def abort(self, message: str) -> None:
+        """Stop starting requests because of a fatal error (the first message is kept)."""
+        summary = self.report.summary
         if summary.fatal is None:
             summary.fatal = message
-            log.error("aborting: %s", message)
-        stop.set()
+            log.error("%s", message)
+        self.stop.set()
+        with contextlib.suppress(RuntimeError):  # wake a dispatch waiting for buffer room
+            asyncio.get_running_loop().create_task(self.sink.wake())
 
-    async def writer_loop() -> None:
-        nonlocal store_obj
-        last_commit = time.monotonic()
-        writer = None
+    async def execute(self, prompts) -> GenerateSummary:
+        interrupted = False
+        lease = self._prepare()
         try:
-            while True:
-                try:
-                    sample = await asyncio.wait_for(queue.get(), timeout=max(0.05, config.commit_interval_s))
-                except TimeoutError:
-                    sample = False  # type: ignore[assignment]
-                if sample is None:
-                    break
-                if sample is not False:
-                    try:
-                        if store_obj is None:
-                            assert factory is not None
-                            store_obj = await loop.run_in_executor(wexec, factory, sample)
-                            summary.store = str(store_obj.path)
-                        if writer is None:
-                            writer = await loop.run_in_executor(
-                                wexec,
-                                functools.partial(
-                                    store_obj.writer, config.writer_id, shard_bytes=config.shard_bytes
-                                ),
-                            )
-                            state["writer"] = writer
-                        _check_header(store_obj.header, sample)
-                        await loop.run_in_executor(
-                            wexec,
-                            writer.add,
-                            sample.sample_id,
-                            sample.hidden_states,
-                            sample.token_ids,
-                            sample.loss_mask,
-                        )
-                        state["added"] += 1
-                    except ValueError as e:
-                        fail(sample.sample_id, "store_mismatch", str(e))
-                        abort(f"the server's hidden states do not fit the store: {e}")
-                    finally:
-                        async with buffer_cond:
-                            buffered["bytes"] -= sample.nbytes
-                            buffer_cond.notify_all()
-                        del sample
-                if (
-                    writer is not None
-                    and writer.pending
-                    and time.monotonic() - last_commit > config.commit_interval_s
-                ):
-                    await loop.run_in_executor(wexec, writer.flush)
-                    last_commit = time.monotonic()
-        except Exception as e:
-            log.error("store write failed", exc_info=True)
-            abort(f"store write failed: {type(e).__name__}: {e}")
+            if self.report.summary.fatal is None:
+                interrupted = await self._pipeline(prompts, lease)
+        except (asyncio.CancelledError, KeyboardInterrupt):
+            interrupted = True
+            for t in list(self.tasks):
+                t.cancel()
+            await asyncio.gather(*self.tasks, return_exceptions=True)
+            await self.sink.close()
         finally:
-            try:
-                if writer is not None:
-                    await loop.run_in_executor(wexec, writer.close)
-            except Exception as e:
-                log.error("store commit failed", exc_info=True)
-                abort(f"store commit failed: {type(e).__name__}: {e}")
-            summary.stored = state["added"] - (writer.pending if writer is not None else 0)
-            async with buffer_cond:
-                buffer_cond.notify_all()
+            await self.sat.stop()
+            if lease is not None:
+                lease.release()
+        return self.report.finish(interrupted)
 
-    async def one(prompt: RenderedPrompt, url: str) -> None:
+    def _prepare(self) -> Lease | None:
+        """Check the failures file, take the store's lease, sweep dead clients' server files.
+
+        Returns None (and sets the fatal error) when the run must not start, or when the store
+        has no path to hold a lease.
+        """
+        try:
+            self.report.failures.check_writable()
+        except OSError as e:
+            self.abort(f"cannot write the failures file: {describe_os_error(e)}")
+            return None
+        if self.sink.path is None:
+            return None
+        cfg = self.config
+        try:
+            lease = acquire_lease(
+                self.sink.path,
+                world_size=cfg.world_size,
+                rank=cfg.rank,
+                request_prefix=self.client.request_prefix,
+                shared_dir=cfg.client.shared_dir,
+            )
+        except LeaseConflict as e:
+            self.abort(str(e))
+            return None
+        except OSError as e:
+            self.abort(f"cannot use the store: {describe_os_error(e)}")
+            return None
+        if cfg.client.delete_files:
+            dirs = [cfg.client.shared_dir] + [
+                i.shared_dir for i in read_leases(self.sink.path) if i.shared_dir
+            ]
+            swept = sweep_dead_leases(self.sink.path, dirs)
+            self.report.summary.orphans_removed += swept["orphans_removed"]
+        return lease
+
+    async def _pipeline(self, prompts, lease: Lease | None) -> bool:
+        """Probe the servers, then prompts -> requests -> sink; returns whether it was interrupted."""
+        interrupted = False
+        async with self.client:
+            try:
+                await self.client.probe()
+            except FatalError as e:
+                self.abort(str(e))
+                return False
+            await self.sat.start()
+            heartbeat = asyncio.create_task(_heartbeat(lease)) if lease is not None else None
+            try:
+                self.sink.start()
+                try:
+                    await self._dispatch(prompts)
+                except Exception as e:  # a bad input with --on-bad-input fail, an unreadable file, ...
+                    self.abort(str(e))
+                interrupted = self.stop.is_set() and self.report.summary.fatal is None
+                await self._drain()
+                await self.sink.close()
+                if self.config.client.delete_files:
+                    self.report.summary.orphans_removed += self.client.remove_own_files()
+                snapshot = self.sat.snapshot()
+                self.report.summary.endpoints = {
+                    url: {**stats, **snapshot[url]} for url, stats in self.client.stats().items()
+                }
+            finally:
+                if heartbeat is not None:
+                    heartbeat.cancel()
+                await self.sat.stop()  # before the session closes: the metrics poller uses it
+        if not self.filter.seen_any and not self.report.summary.fatal:
+            log.warning("the input holds no prompts: nothing to do")
+        return interrupted
+
+    async def _dispatch(self, prompts) -> None:
+        """Start one request task per admitted prompt, within the memory bound and free server slots."""
+        async for item in iterate(prompts):
+            if self.stop.is_set():
+                return
+            prompt = self.filter.admit(item, self.sink)
+            if prompt is None:
+                if self.filter.done:
+                    return
+                continue
+            await self.sink.wait_for_room(self.stop)
+            if self.sink.failed:
+                return
+            url = await _acquire_or_stop(self.sat, self.stop)
+            if url is None:
+                return
+            t = asyncio.create_task(self._request(prompt, url))
+            self.tasks.add(t)
+            t.add_done_callback(self.tasks.discard)
+
+    async def _request(self, prompt: RenderedPrompt, url: str) -> None:
+        """One prompt: request, the server's file validated, the sample handed to the sink."""
         started = time.monotonic()
+        summary = self.report.summary
         sample = None
         try:
-            sample = await client.fetch(prompt, endpoint=url)
+            sample = await self.client.fetch(prompt, endpoint=url)
         except FatalError as e:
             summary.failed += 1
-            fail(prompt.sample_id, e.reason, e.message, endpoint=e.endpoint, source=prompt.source)
-            abort(str(e))
+            self.report.record(
+                prompt.sample_id, e.reason, e.message, endpoint=e.endpoint, source=prompt.source
+            )
+            self.abort(str(e))
         except FetchError as e:
             summary.failed += 1
             summary.retries += max(0, e.attempts - 1)
-            fail(
+            self.report.record(
                 prompt.sample_id,
                 e.reason,
                 e.message,
@@ -372,127 +294,38 @@ async def generate(
                 attempts=e.attempts,
                 source=prompt.source,
             )
-            state["consecutive_failures"] += 1
-            n = config.max_consecutive_failures
-            if n and state["consecutive_failures"] >= n:
-                abort(f"{n} prompts failed in a row (last: {e}); are the servers up?")
+            self.consecutive_failures += 1
+            n = self.config.max_consecutive_failures
+            if n and self.consecutive_failures >= n:
+                self.abort(f"{n} prompts failed in a row (last: {e}); are the servers up?")
         finally:
-            await sat.release(
+            await self.sat.release(
                 url, latency_s=time.monotonic() - started, tokens=len(prompt.token_ids), ok=sample is not None
             )
         if sample is None:
-            bar.update(0, summary, t0, sat.total_in_flight())
+            self.report.tick(self.sat.total_in_flight())
             return
-        state["consecutive_failures"] = 0
-        summary.retries += sample.attempts - 1
-        summary.tokens += sample.num_tokens
-        summary.bytes += sample.nbytes
-        async with buffer_cond:
-            buffered["bytes"] += sample.nbytes
-        await queue.put(sample)
-        bar.update(1, summary, t0, sat.total_in_flight())
+        self.consecutive_failures = 0
+        self.report.fetched(sample.num_tokens, sample.nbytes, sample.attempts, self.sat.total_in_flight())
+        await self.sink.put(sample)
 
-    seen: set[str] = set()
-    launched = 0
+    async def _drain(self) -> None:
+        """Wait for the requests in flight: all of them, or ``stop_grace_s`` after a stop."""
+        if not self.tasks:
+            return
+        if self.stop.is_set():
+            _done, pending = await asyncio.wait(set(self.tasks), timeout=self.config.stop_grace_s)
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        else:
+            await asyncio.gather(*list(self.tasks))
 
-    async def dispatch() -> None:
-        nonlocal launched
-        async for item in _aiter(prompts):
-            if stop.is_set():
-                return
-            if isinstance(item, Skipped):
-                if item.reason == "too_long":
-                    summary.too_long += 1
-                else:
-                    summary.bad_input += 1
-                fail(item.sample_id, item.reason, item.message, source=item.source)
-                continue
-            sid = item.sample_id
-            if config.world_size > 1 and rank_of(sid, config.world_size) != config.rank:
-                summary.other_rank += 1
-                continue
-            if sid in seen:
-                summary.duplicates += 1
-                continue
-            seen.add(sid)
-            if store_obj is not None and sid in store_obj:
-                summary.already_done += 1
-                continue
-            if config.max_samples is not None and launched >= config.max_samples:
-                return
-            if item.truncated:
-                summary.truncated += 1
-            async with buffer_cond:
-                await buffer_cond.wait_for(
-                    lambda: buffered["bytes"] < config.max_buffer_bytes or stop.is_set()
-                )
-            if writer_task.done():
-                return
-            url = await _acquire_or_stop(sat, stop)
-            if url is None:
-                return
-            launched += 1
-            t = asyncio.create_task(one(item, url))
-            tasks.add(t)
-            t.add_done_callback(tasks.discard)
 
-    client = HiddenStateClient(config.client)
-    sat = Saturator(config.saturation, list(client.endpoints), client.metrics, client.healthy)
-    writer_task: asyncio.Task | None = None
-    interrupted = False
-    try:
-        async with client:
-            await sat.start()
-            try:
-                writer_task = asyncio.create_task(writer_loop(), name="hsgen-writer")
-                try:
-                    await dispatch()
-                except Exception as e:  # a bad input with --on-bad-input fail, an unreadable file, ...
-                    abort(str(e))
-                interrupted = stop.is_set() and summary.fatal is None
-                if tasks:
-                    if stop.is_set():
-                        done, pending = await asyncio.wait(set(tasks), timeout=config.stop_grace_s)
-                        for t in pending:
-                            t.cancel()
-                        await asyncio.gather(*pending, return_exceptions=True)
-                    else:
-                        await asyncio.gather(*list(tasks))
-                await queue.put(None)
-                await writer_task
-                summary.endpoints = {
-                    url: {**stats, **sat.snapshot()[url]} for url, stats in client.stats().items()
-                }
-            finally:
-                await sat.stop()  # before the session closes: the metrics poller uses it
-    except (asyncio.CancelledError, KeyboardInterrupt):
-        interrupted = True
-        for t in list(tasks):
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        if writer_task is not None and not writer_task.done():
-            await queue.put(None)
-            await asyncio.shield(writer_task)
-    finally:
-        await sat.stop()
-        wexec.shutdown(wait=True)
-        failures.close()
-        bar.update(0, summary, t0, 0, force=True)
-        bar.close()
-    summary.failed = sum(
-        v for k, v in reasons.items() if k not in ("bad_input", "too_long", "store_mismatch")
-    )
-    summary.failure_reasons = dict(reasons)
-    if interrupted:
-        summary.status = "interrupted"
-    summary.seconds = round(time.monotonic() - t0, 3)
-    dt = max(summary.seconds, 1e-9)
-    summary.samples_per_s = round(summary.stored / dt, 2)
-    summary.tokens_per_s = round(summary.tokens / dt, 1)
-    summary.gb_per_s = round(summary.bytes / dt / 1e9, 4)
-    if summary.status != "interrupted":
-        summary.status = {EXIT_OK: "ok", EXIT_PARTIAL: "partial"}.get(summary.exit_code, "failed")
-    return summary
+async def _heartbeat(lease: Lease) -> None:
+    while True:
+        await asyncio.sleep(HEARTBEAT_S)
+        lease.heartbeat()
 
 
 async def _acquire_or_stop(sat: Saturator, stop: asyncio.Event) -> str | None:
@@ -516,19 +349,6 @@ async def _acquire_or_stop(sat: Saturator, stop: asyncio.Event) -> str | None:
     return None
 
 
-def _check_header(header: Any, sample: FetchedSample) -> None:
-    shape = sample.hidden_states.shape
-    if sample.dtype != header.dtype:
-        raise ValueError(f"the server sends {sample.dtype} hidden states, the store holds {header.dtype}")
-    if shape[1] != len(header.layer_ids):
-        raise ValueError(
-            f"the server sends {shape[1]} layers, the store holds {len(header.layer_ids)} "
-            f"(layer ids {list(header.layer_ids)}): check the server's eagle_aux_hidden_state_layer_ids"
-        )
-    if shape[2] != header.hidden_size:
-        raise ValueError(f"the server sends hidden size {shape[2]}, the store holds {header.hidden_size}")
-
-
 def default_failures_path(store_path: str | os.PathLike[str], rank: int, world_size: int) -> str:
     """``<store>.failures.jsonl`` beside the store (``.rank<R>`` added when ``world_size > 1``)."""
     p = Path(store_path)
@@ -543,6 +363,7 @@ __all__ = [
     "EXIT_PARTIAL",
     "GenerateConfig",
     "GenerateSummary",
+    "LazyStore",
     "Skipped",
     "default_failures_path",
     "generate",

@@ -144,17 +144,26 @@ def render(
     'hsgen generate -' reads back: hsgen render data.jsonl --tokenizer DIR | hsgen generate - ...
     With --server the server renders instead of a local tokenizer. A summary line goes to stderr.
     """
-    from hsgen.generate import Skipped
     from hsgen.inputs import InputError
-    from hsgen.render import RenderError, render_stream
+    from hsgen.render import RenderError, Skipped, render_stream
 
     _setup_logging(log_level)
     if server and (tokenizer or chat_template):
         raise click.UsageError(
             "--server renders with the server's tokenizer and template: drop --tokenizer/--chat-template"
         )
-    counts = {"rendered": 0, "tokens": 0, "truncated": 0, "too_long": 0, "bad_input": 0}
-    out = sys.stdout if output == "-" else open(output, "w", encoding="utf-8")  # noqa: SIM115
+    counts = {
+        "rendered": 0,
+        "tokens": 0,
+        "truncated": 0,
+        "too_long": 0,
+        "bad_input": 0,
+        "no_assistant_turn": 0,
+    }
+    try:
+        out = sys.stdout if output == "-" else open(output, "w", encoding="utf-8")  # noqa: SIM115
+    except OSError as e:
+        raise click.ClickException(f"cannot write {output}: {e.strerror or e}") from None
 
     def emit(item) -> None:
         if isinstance(item, Skipped):
@@ -164,6 +173,12 @@ def render(
         counts["rendered"] += 1
         counts["tokens"] += len(item.token_ids)
         counts["truncated"] += int(item.truncated)
+        if 1 not in item.loss_mask:
+            counts["no_assistant_turn"] += 1
+            if counts["no_assistant_turn"] <= 5:
+                log.warning(
+                    "%s: sample %r has no assistant turn: its loss mask is all 0", item.source, item.sample_id
+                )
 
     fingerprint = ""
     try:
@@ -177,16 +192,23 @@ def render(
             fingerprint = renderer.fingerprint
             for item in render_stream(list(inputs), renderer, on_bad_input=on_bad_input):
                 emit(item)
+        if out is not sys.stdout:
+            out.close()
+        else:
+            out.flush()
     except (InputError, RenderError) as e:
         raise click.ClickException(str(e)) from None
     except BrokenPipeError:
         sys.stderr.close()
         return
+    except OSError as e:
+        raise click.ClickException(f"cannot write {output}: {e.strerror or e}") from None
     finally:
-        if out is not sys.stdout:
-            out.close()
-        else:
-            out.flush()
+        if out is not sys.stdout and not out.closed:
+            with contextlib.suppress(OSError):
+                out.close()
+    if not any(counts[k] for k in ("rendered", "too_long", "bad_input")):
+        log.warning("the input holds no records: nothing rendered")
     click.echo(json.dumps({**counts, "tokenizer_fingerprint": fingerprint}), err=True)
 
 
@@ -197,7 +219,7 @@ async def _render_with_server(
     import aiohttp
 
     from hsgen.protocol import auth_headers
-    from hsgen.render import ServerRenderer, render_stream_with_server
+    from hsgen.render_server import ServerRenderer, render_stream_with_server
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
         base = server.rstrip("/").removesuffix("/v1")
@@ -366,6 +388,13 @@ async def _render_with_server(
     help="Seconds an open circuit breaker waits before probing the server again.",
 )
 @click.option(
+    "--max-down",
+    type=click.FloatRange(min=0.0),
+    default=600.0,
+    show_default=True,
+    help="End the run (exit 1) when no server has answered for this many seconds (0 = never give up).",
+)
+@click.option(
     "--max-consecutive-failures",
     type=click.IntRange(min=0),
     default=200,
@@ -426,6 +455,7 @@ def generate(
     retries,
     breaker_threshold,
     breaker_cooldown,
+    max_down,
     max_consecutive_failures,
     include_output_tokens,
     check_finite,
@@ -456,6 +486,8 @@ def generate(
             ids = protocol.parse_layer_ids(layer_ids)
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint="--layer-ids") from None
+    if ids is not None and tokenizer is not None:
+        _check_layer_ids(ids, Path(tokenizer))
     renderer = _make_renderer(tokenizer, chat_template, template_kwargs, max_len, on_too_long)
     store = _open_store(store_path, ids, renderer.fingerprint)
     if store is None and ids is None:
@@ -473,6 +505,7 @@ def generate(
             max_retries=retries,
             breaker_threshold=breaker_threshold,
             breaker_cooldown_s=breaker_cooldown,
+            max_down_s=max_down,
             check_finite=check_finite,
             delete_files=not keep_server_files,
         )
@@ -490,6 +523,7 @@ def generate(
             failures_path=failures_path or default_failures_path(store_path, rank, world_size),
             max_samples=limit,
             max_consecutive_failures=max_consecutive_failures,
+            on_bad_input=on_bad_input,
         )
     except ValueError as e:
         raise click.UsageError(str(e)) from None
@@ -499,17 +533,32 @@ def generate(
     show = progress if progress is not None else sys.stderr.isatty()
     summary = asyncio.run(_run_with_signals(run_generate, cfg, prompts, store, show))
     summary.store = summary.store or str(store_path)
-    if summary.fatal:
-        log.error("%s", summary.fatal)
-    click.echo(summary.to_json())
+    click.echo(summary.to_json())  # a fatal error was logged once, on one line, by the run
     sys.exit(summary.exit_code)
+
+
+def _check_layer_ids(layer_ids, model_dir: Path) -> None:
+    """With the model's config.json at hand (``--tokenizer`` is often the model directory), every
+    layer id must be one of its layers: 0 (embeddings) to ``num_hidden_layers``."""
+    from hsgen import protocol
+
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+        layers = int(config.get("text_config", config)["num_hidden_layers"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    try:
+        protocol.normalize_layer_ids(layer_ids, layers)
+    except ValueError as e:
+        raise click.BadParameter(f"{e} ({model_dir / 'config.json'})", param_hint="--layer-ids") from None
 
 
 def _open_store(path: Path, layer_ids, fingerprint: str):
     from hsgen.store import HiddenStateStore, StoreError
+    from hsgen.store.store import HEADER_FILE
 
-    if not path.exists():
-        return None
+    if not (path / HEADER_FILE).exists() and (not path.is_dir() or not _visible_entries(path)):
+        return None  # not created yet (a first run may have left only its lease)
     try:
         store = HiddenStateStore.open(path)
     except StoreError as e:
@@ -527,8 +576,13 @@ def _open_store(path: Path, layer_ids, fingerprint: str):
     return store
 
 
+def _visible_entries(path: Path) -> list[str]:
+    return [e for e in os.listdir(path) if not e.startswith(".")]
+
+
 def _store_factory(path: Path, layer_ids, verifier, fingerprint: str, codec: str, cfg):
-    """Create the store from the first sample's shape (hidden size, dtype)."""
+    """The store at ``path``, created from the first sample's shape (hidden size, dtype)."""
+    from hsgen.store_sink import LazyStore
 
     def create(sample):
         from hsgen.store import HiddenStateStore, StoreHeader
@@ -549,7 +603,7 @@ def _store_factory(path: Path, layer_ids, verifier, fingerprint: str, codec: str
         )
         return HiddenStateStore.create(path, header)
 
-    return create
+    return LazyStore(path, create)
 
 
 def _served_model(url: str, cfg) -> str | None:

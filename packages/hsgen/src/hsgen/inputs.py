@@ -20,7 +20,7 @@ import sys
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TextIO
+from typing import IO, Any, Literal, TextIO
 
 log = logging.getLogger(__name__)
 
@@ -241,11 +241,23 @@ def _sharegpt_messages(value: Any, source: str) -> list[dict[str, Any]]:
 # --------------------------------------------------------------------------- files
 
 
-def _jsonl_records(f: TextIO, name: str) -> Iterator[tuple[str, Any]]:
-    for lineno, line in enumerate(f, 1):
+def _jsonl_records(f: IO, name: str) -> Iterator[tuple[str, Any]]:
+    """Records of a JSONL stream (bytes or text); a line that is not UTF-8 or not JSON yields its error."""
+    for lineno, raw in enumerate(f, 1):
+        source = f"{name}:{lineno}"
+        if isinstance(raw, bytes):
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                yield (
+                    source,
+                    InputError(source, f"not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})"),
+                )
+                continue
+        else:
+            line = raw
         if not line.strip():
             continue
-        source = f"{name}:{lineno}"
         try:
             yield source, json.loads(line)
         except json.JSONDecodeError as e:
@@ -254,7 +266,13 @@ def _jsonl_records(f: TextIO, name: str) -> Iterator[tuple[str, Any]]:
 
 def _json_records(path: Path) -> Iterator[tuple[str, Any]]:
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_bytes().decode("utf-8-sig"))
+    except OSError as e:
+        raise InputError(str(path), e.strerror or str(e)) from None
+    except UnicodeDecodeError as e:
+        raise InputError(
+            str(path), f"not UTF-8 (byte 0x{e.object[e.start]:02x} at offset {e.start})"
+        ) from None
     except json.JSONDecodeError as e:
         raise InputError(f"{path}:{e.lineno}", f"invalid JSON: {e.msg} (column {e.colno})") from None
     if isinstance(data, Mapping):
@@ -293,28 +311,38 @@ def iter_records(path: str | Path, stdin: TextIO | None = None) -> Iterator[tupl
     suffix: ``.jsonl``/``.ndjson`` (also ``.gz``), ``.json``, ``.parquet``.
     """
     if str(path) == "-":
-        yield from _jsonl_records(stdin if stdin is not None else sys.stdin, "<stdin>")
+        stream = stdin if stdin is not None else sys.stdin
+        yield from _jsonl_records(getattr(stream, "buffer", stream), "<stdin>")
         return
     p = Path(path)
     if not p.exists():
         raise InputError(str(p), "no such file")
+    if p.is_dir():
+        raise InputError(str(p), "is a directory, not a dataset file")
     suffixes = [s.lower() for s in p.suffixes]
-    if suffixes and suffixes[-1] == ".gz":
-        import gzip
-
-        with gzip.open(p, "rt", encoding="utf-8") as f:
-            yield from _jsonl_records(f, str(p))
-        return
     suffix = suffixes[-1] if suffixes else ""
     if suffix == ".parquet":
         yield from _parquet_records(p)
     elif suffix == ".json":
         yield from _json_records(p)
-    elif suffix in (".jsonl", ".ndjson", ""):
-        with open(p, encoding="utf-8") as f:
-            yield from _jsonl_records(f, str(p))
+    elif suffix in (".jsonl", ".ndjson", "", ".gz"):
+        yield from _jsonl_file(p, gzipped=suffix == ".gz")
     else:
         raise InputError(str(p), f"unknown dataset format {suffix!r}: use .jsonl, .json or .parquet")
+
+
+def _jsonl_file(p: Path, *, gzipped: bool) -> Iterator[tuple[str, Any]]:
+    import gzip
+
+    try:
+        f = gzip.open(p, "rb") if gzipped else open(p, "rb")  # noqa: SIM115 - closed below
+    except OSError as e:
+        raise InputError(str(p), e.strerror or str(e)) from None
+    with f:
+        try:
+            yield from _jsonl_records(f, str(p))
+        except (OSError, EOFError) as e:  # a read error, a corrupt .gz
+            raise InputError(str(p), getattr(e, "strerror", None) or str(e)) from None
 
 
 def read_inputs(

@@ -16,7 +16,6 @@ templates fall back to locating the assistant content in the full rendering.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import logging
@@ -70,6 +69,23 @@ class RenderedPrompt:
     def to_json(self) -> dict[str, Any]:
         """The JSONL record ``hsgen render`` prints (and ``hsgen generate`` reads)."""
         return {"id": self.sample_id, "input_ids": self.token_ids, "loss_mask": self.loss_mask}
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """An input that never became a request (bad record, too long), passed on for the report.
+
+    Attributes:
+        reason: ``bad_input`` or ``too_long``.
+        message: what was wrong, naming the file and line.
+        sample_id: the id, when known.
+        source: ``file:line``.
+    """
+
+    reason: str
+    message: str
+    sample_id: str | None = None
+    source: str = ""
 
 
 class RenderError(ValueError):
@@ -199,7 +215,14 @@ class ChatRenderer:
             self._load(Path(config.tokenizer_path))
 
     def _load(self, path: Path) -> None:
-        from tokenizers import Tokenizer
+        try:
+            import jinja2  # noqa: F401 - the chat template needs it too
+            from tokenizers import Tokenizer
+        except ImportError as e:
+            raise RenderError(
+                f"rendering with a tokenizer needs tokenizers and jinja2 ({e.name} is missing): "
+                "pip install 'hsgen[render]'"
+            ) from None
 
         tok_file = path / "tokenizer.json"
         if not tok_file.exists():
@@ -407,18 +430,18 @@ def render_stream(
     """
     from hsgen.inputs import InputError, iter_records
 
-    _check_on_bad_input(on_bad_input)
+    check_on_bad_input(on_bad_input)
     for path in paths:
         for source, rec in iter_records(path, stdin=stdin):
             sample = None
             try:
-                sample = _parse(rec, source)
+                sample = parse_input(rec, source)
                 yield renderer.render(sample)
             except (InputError, RenderError) as e:
-                yield _skipped(e, sample and sample.sample_id, source, on_bad_input)
+                yield skipped_record(e, sample and sample.sample_id, source, on_bad_input)
 
 
-def _parse(rec, source: str) -> InputSample:
+def parse_input(rec, source: str) -> InputSample:
     """The sample of one record from ``iter_records`` (an ``InputError`` read in its place is raised)."""
     from hsgen.inputs import InputError, parse_record
 
@@ -427,15 +450,13 @@ def _parse(rec, source: str) -> InputSample:
     return parse_record(rec, source)
 
 
-def _check_on_bad_input(on_bad_input: str) -> None:
+def check_on_bad_input(on_bad_input: str) -> None:
     if on_bad_input not in ("skip", "fail"):
         raise ValueError(f"on_bad_input must be 'skip' or 'fail', got {on_bad_input!r}")
 
 
-def _skipped(error: Exception, sample_id: str | None, source: str, on_bad_input: str):
+def skipped_record(error: Exception, sample_id: str | None, source: str, on_bad_input: str):
     """The ``Skipped`` record for a sample that failed to read or render (re-raised with ``"fail"``)."""
-    from hsgen.generate import Skipped
-
     if isinstance(error, TooLong):
         log.info("skipping %s", error)
         return Skipped("too_long", str(error), sample_id, source)
@@ -445,181 +466,19 @@ def _skipped(error: Exception, sample_id: str | None, source: str, on_bad_input:
     return Skipped("bad_input", str(error), sample_id, source)
 
 
-async def render_stream_with_server(
-    paths: Sequence[str],
-    renderer: ServerRenderer,
-    session,
-    *,
-    on_bad_input: str = "fail",
-    concurrency: int = 16,
-):
-    """:func:`render_stream` through a server: ``concurrency`` requests in flight, results in input order."""
-    import collections
-
-    from hsgen.inputs import InputError, iter_records
-
-    _check_on_bad_input(on_bad_input)
-
-    async def one(rec, source):
-        sample = None
-        try:
-            sample = _parse(rec, source)
-            return await renderer.render(session, sample)
-        except (InputError, RenderError) as e:
-            return _skipped(e, sample and sample.sample_id, source, on_bad_input)
-
-    pending: collections.deque[asyncio.Task] = collections.deque()
-    try:
-        for path in paths:
-            for source, rec in iter_records(path):
-                pending.append(asyncio.create_task(one(rec, source)))
-                while len(pending) >= concurrency:
-                    yield await pending.popleft()
-        while pending:
-            yield await pending.popleft()
-    finally:
-        for t in pending:
-            t.cancel()
-
-
-# --------------------------------------------------------------------------- server rendering
-
-
-async def render_messages_with_server(
-    session,
-    base_url: str,
-    model: str,
-    messages: Sequence[Mapping[str, Any]],
-    *,
-    api_key: str | None = None,
-    template_kwargs: Mapping[str, Any] | None = None,
-    tools: Sequence[Mapping[str, Any]] | None = None,
-) -> tuple[list[int], list[int]]:
-    """Render a conversation with a server's ``POST /v1/chat/completions/render``.
-
-    The mask comes from rendering each prefix: the ids of ``messages[:i]`` plus the generation
-    prompt must be a prefix of the ids of ``messages[:i+1]``, which must be a prefix of the whole.
-
-    Args:
-        session: an ``aiohttp.ClientSession``.
-        base_url: the server, e.g. ``http://localhost:8000``.
-    """
-    from hsgen.protocol import auth_headers
-
-    url = base_url.rstrip("/") + "/v1/chat/completions/render"
-
-    async def ids_of(msgs, add_generation_prompt: bool) -> list[int]:
-        body = {
-            "model": model,
-            "messages": [dict(m) for m in msgs],
-            "add_generation_prompt": add_generation_prompt,
-            **({"chat_template_kwargs": dict(template_kwargs)} if template_kwargs else {}),
-            **({"tools": [dict(t) for t in tools]} if tools else {}),
-        }
-        async with session.post(url, json=body, headers=auth_headers(api_key)) as r:
-            data = await r.json(content_type=None)
-            if r.status != 200:
-                raise RenderError(f"{url} answered {r.status}: {data}")
-        ids = data.get("token_ids") if isinstance(data, Mapping) else None
-        if ids is None and isinstance(data, Mapping):
-            ids = data.get("prompt_token_ids")
-        if not isinstance(ids, list):
-            raise RenderError(f"{url} returned no token_ids")
-        return [int(t) for t in ids]
-
-    full = await ids_of(messages, False)
-    mask = [0] * len(full)
-    for i, m in enumerate(messages):
-        if m.get("role") != "assistant":
-            continue
-        pre = await ids_of(messages[:i], True) if i else []
-        upto = await ids_of(messages[: i + 1], False)
-        if upto[: len(pre)] != pre or full[: len(upto)] != upto:
-            raise RenderError(
-                f"the server's chat template does not render assistant turn {i} as a prefix: use local rendering"
-            )
-        for t in range(len(pre), len(upto)):
-            mask[t] = 1
-    return full, mask
-
-
-class ServerRenderer:
-    """Renders samples with a server instead of a local tokenizer: conversations with
-    ``POST /v1/chat/completions/render`` (the chat template vLLM itself applies), plain prompts
-    with ``POST /tokenize``. For when the verifier's tokenizer is only on the server's machine.
-
-    Args:
-        base_url: the server, e.g. ``http://localhost:8000`` (a trailing ``/v1`` is accepted).
-        model: the model id to name in requests.
-        api_key, template_kwargs, max_len, on_too_long: as for :class:`ChatRenderer`.
-    """
-
-    def __init__(
-        self,
-        base_url: str,
-        model: str,
-        *,
-        api_key: str | None = None,
-        template_kwargs: Mapping[str, Any] | None = None,
-        max_len: int | None = None,
-        on_too_long: str = "truncate",
-    ):
-        base = base_url.rstrip("/")
-        self.base_url = base[: -len("/v1")] if base.endswith("/v1") else base
-        self.model = model
-        self.api_key = api_key
-        self.template_kwargs = dict(template_kwargs or {})
-        self.max_len = max_len
-        self.on_too_long = on_too_long
-
-    async def render(self, session, sample: InputSample) -> RenderedPrompt:
-        """Like :meth:`ChatRenderer.render`, through the server (``session``: an ``aiohttp.ClientSession``)."""
-        try:
-            if sample.kind == "tokens":
-                ids = list(sample.input_ids or ())
-                mask = list(sample.loss_mask) if sample.loss_mask is not None else [1] * len(ids)
-            elif sample.kind == "prompt":
-                ids = await self._tokenize(session, sample.prompt or "")
-                mask = [1] * len(ids)
-            else:
-                ids, mask = await render_messages_with_server(
-                    session, self.base_url, self.model, sample.messages or (), api_key=self.api_key,
-                    template_kwargs=self.template_kwargs, tools=sample.tools,
-                )  # fmt: skip
-        except RenderError as e:
-            raise RenderError(f"{sample.source}: {e}") from None
-        if not ids:
-            raise RenderError(f"{sample.source}: renders to no tokens")
-        return limit_length(RenderedPrompt(sample.sample_id, ids, mask, source=sample.source), self.max_len,
-                            self.on_too_long)  # fmt: skip
-
-    async def _tokenize(self, session, text: str) -> list[int]:
-        from hsgen.protocol import auth_headers
-
-        url = self.base_url + "/tokenize"
-        body = {"model": self.model, "prompt": text, "add_special_tokens": True}
-        async with session.post(url, json=body, headers=auth_headers(self.api_key)) as r:
-            data = await r.json(content_type=None)
-            if r.status != 200:
-                raise RenderError(f"{url} answered {r.status}: {data}")
-        tokens = data.get("tokens") if isinstance(data, Mapping) else None
-        if not isinstance(tokens, list):
-            raise RenderError(f"{url} returned no tokens")
-        return [int(t) for t in tokens]
-
-
 __all__ = [
     "ChatRenderer",
     "OnTooLong",
     "RenderConfig",
     "RenderError",
     "RenderedPrompt",
-    "ServerRenderer",
+    "Skipped",
     "TooLong",
+    "check_on_bad_input",
     "compile_chat_template",
     "limit_length",
     "load_chat_template",
-    "render_messages_with_server",
+    "parse_input",
     "render_stream",
-    "render_stream_with_server",
+    "skipped_record",
 ]

@@ -43,6 +43,7 @@ from spectrain.data import (
 )
 from spectrain.data import token_frequencies as count_tokens
 from spectrain.export import export_draft
+from spectrain.loader import BufferPool
 from spectrain.models.registry import DraftConfig, DraftModel, build_draft, get_config_class
 from spectrain.optim import OptimConfig, Optimizers, build_optimizers, lr_lambda
 from spectrain.verifier import VerifierHeads
@@ -51,6 +52,10 @@ log = logging.getLogger(__name__)
 
 STATE_DIR = "trainer"
 LATEST = "latest"
+
+
+class NonFiniteTraining(ValueError):
+    """The loss or the gradients stayed NaN/inf for ``max_nonfinite_steps`` steps in a row."""
 
 
 @dataclass
@@ -102,6 +107,9 @@ class TrainConfig:
     betas: tuple[float, float] = (0.9, 0.95)
     max_grad_norm: float = 1.0
     """Gradient clipping by global norm (0 disables)."""
+    max_nonfinite_steps: int = 10
+    """A step whose loss or gradient norm is NaN/inf is skipped (never applied, never exported); this
+    many in a row stop the run with an error."""
     total_seq_len: int = 8192
     """Token slots per packed sequence (one sequence per micro-step)."""
     grad_accum: int = 1
@@ -124,7 +132,13 @@ class TrainConfig:
     are memory copies; use workers for lz4/fp8 stores whose decoding needs CPU). Sources that are
     not worker-safe always read in a thread."""
     prefetch: int = 8
-    """Samples read ahead."""
+    """Samples read ahead by DataLoader workers (``num_workers > 0``)."""
+    read_threads: int = 2
+    """Threads reading samples straight into the packed (pinned) sequence buffers; the loader
+    prepares ``grad_accum + 1`` sequences ahead of the step, off the training thread."""
+    verify_samples: bool = True
+    """Check each stored sample's checksum as it is read; a bad sample is skipped with a warning
+    naming store, shard and sample (``hsgen verify STORE`` lists them all)."""
     log_every: int = 10
     tensorboard: bool = False
     device: str = "auto"
@@ -145,6 +159,9 @@ class TrainConfig:
     prompts: str | None = None
     online_options: dict[str, Any] = field(default_factory=dict)
     """Other ``spectrain.online.OnlineConfig`` fields (shared_dir, scratch_bytes, delete_cached, ...)."""
+    chat_template: str | None = None
+    """The chat template file the prompts were rendered with when not the verifier's own (checked
+    against the store's tokenizer fingerprint; online runs render with it)."""
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -184,9 +201,36 @@ class TrainConfig:
         if self.precision not in ("auto", "bf16", "fp32"):
             raise ValueError(f"precision: {self.precision!r} is not auto | bf16 | fp32")
         self.optim_config().check()
-        for name in ("epochs", "grad_accum", "total_seq_len", "log_every"):
+        for name in ("epochs", "grad_accum", "total_seq_len", "log_every", "max_nonfinite_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+
+
+SECRET_FIELDS = frozenset({"api_key", "apikey", "api_token", "access_token", "auth_token", "hf_token", "token",
+                           "password", "secret", "authorization"})  # fmt: skip
+"""Config field names whose values are secrets (matched case-insensitively, also as ``*_api_key``)."""
+REDACTED = "<redacted>"
+
+
+def redact_secrets(value: Any) -> Any:
+    """A copy of ``value`` (dicts, lists, strings) with secret fields and URL credentials replaced.
+
+    Every saved config and summary goes through it: an API key belongs in ``$VLLM_API_KEY``,
+    never in a checkpoint.
+    """
+    if isinstance(value, dict):
+        return {k: REDACTED if _is_secret(k) and v else redact_secrets(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [redact_secrets(v) for v in value]
+    if isinstance(value, str) and "://" in value and "@" in value.split("://", 1)[1].split("/", 1)[0]:
+        scheme, rest = value.split("://", 1)
+        return f"{scheme}://{REDACTED}@{rest.split('@', 1)[1]}"
+    return value
+
+
+def _is_secret(key: Any) -> bool:
+    k = str(key).lower().replace("-", "_")
+    return k in SECRET_FIELDS or k.endswith(("_api_key", "_secret", "_password"))
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
@@ -253,6 +297,12 @@ def resolve_device(cfg: TrainConfig) -> torch.device:
 def resolve_layers(draft_cfg: DraftConfig, store_layer_ids: Sequence[int], verifier_layers: int) -> list[int]:
     """Fill ``aux_layer_ids``/``target_layer_id``; return indices into the stored layers (aux..., target)."""
     ids = [int(i) for i in store_layer_ids]
+    beyond = [i for i in ids if i > verifier_layers]
+    if beyond:
+        raise ValueError(
+            f"the store's layer ids {ids} include {beyond}, beyond the verifier's {verifier_layers} layers "
+            f"(ids run from 0, the embeddings, to {verifier_layers}, the last layer): another verifier made it"
+        )
     target = draft_cfg.target_layer_id if draft_cfg.target_layer_id is not None else ids[-1]
     if target not in ids:
         raise ValueError(f"target layer {target} is not in the store's layers {ids}")
@@ -283,6 +333,30 @@ def resolve_layers(draft_cfg: DraftConfig, store_layer_ids: Sequence[int], verif
     return [ids.index(i) for i in aux] + [ids.index(target)]
 
 
+def check_tokenizer(
+    store_fingerprint: str, verifier: str, chat_template: str | None, store: str | None
+) -> None:
+    """Raise ``ValueError`` when the store was rendered with another tokenizer or chat template.
+
+    The store's header records the fingerprint of the tokenizer and chat template its prompts
+    were rendered with (``""`` when unknown, e.g. pre-tokenized input); it must equal the
+    verifier's (with ``chat_template`` overriding the verifier's own template, as at generation).
+    """
+    if not store_fingerprint or not (Path(verifier) / "tokenizer.json").is_file():
+        return
+    from hsgen.render import ChatRenderer, RenderConfig
+
+    mine = ChatRenderer(RenderConfig(tokenizer_path=verifier, chat_template=chat_template)).fingerprint
+    if mine != store_fingerprint:
+        hint = (
+            "" if chat_template else " (if generate used --chat-template FILE, pass the same --chat-template)"
+        )
+        raise ValueError(
+            f"{store}: rendered with another tokenizer or chat template than the verifier {verifier} "
+            f"(fingerprint {store_fingerprint[:12]}..., verifier's {mine[:12]}...){hint}"
+        )
+
+
 def build_source(cfg: TrainConfig, info: DistInfo, split: str = "train") -> SampleSource:
     """StoreSource offline; ``spectrain.online.OnlineSource`` (imported here only) online."""
     if cfg.online:
@@ -290,7 +364,7 @@ def build_source(cfg: TrainConfig, info: DistInfo, split: str = "train") -> Samp
 
         return OnlineSource(cfg, rank=info.rank, world_size=info.world_size)
     return StoreSource(cfg.store, split=split, val_fraction=cfg.val_fraction, seed=cfg.seed, rank=info.rank,
-                       world_size=info.world_size)  # fmt: skip
+                       world_size=info.world_size, verify=cfg.verify_samples)  # fmt: skip
 
 
 def _gather(obj: Any, info: DistInfo) -> list[Any]:
@@ -487,7 +561,9 @@ class Trainer:
                 self.val_source = getter()
             elif isinstance(self.source, StoreSource):
                 self.val_source = StoreSource(self.source.path, split="validation", val_fraction=cfg.val_fraction,
-                                              seed=cfg.seed, rank=self.info.rank, world_size=self.info.world_size)  # fmt: skip
+                                              seed=cfg.seed, rank=self.info.rank, world_size=self.info.world_size,
+                                              verify=cfg.verify_samples)  # fmt: skip
+        self._check_there_is_data()
 
         self.resume_dir = find_resume(cfg)
         self.state: dict[str, Any] | None = None
@@ -509,6 +585,10 @@ class Trainer:
             raise ValueError(
                 f"store hidden_size {header.hidden_size} differs from verifier {cfg.verifier} "
                 f"hidden_size {self.verifier.hidden_size}"
+            )
+        if not cfg.online:  # the online source checks its store against the prompts' renderer
+            check_tokenizer(
+                getattr(header, "tokenizer_fingerprint", ""), cfg.verifier, cfg.chat_template, cfg.store
             )
         self.hidden_dtype = TORCH_DTYPES.get(getattr(header, "dtype", "bfloat16"), torch.bfloat16)
         cfg_cls = get_config_class(cfg.speculator_type)
@@ -548,8 +628,24 @@ class Trainer:
             self._restore(self.state)
         self.metrics = MetricsLog(self.save_path, self.info.is_main, cfg.tensorboard)
         self.verifier_name = cfg.verifier_name or self.verifier.info.name_or_path
+        self.nonfinite_skipped = 0
+        self.nonfinite_streak = 0
 
     # ------------------------------------------------------------------ setup
+
+    def _check_there_is_data(self) -> None:
+        """Training on nothing is an error; an empty validation split is worth a warning."""
+        cfg = self.cfg
+        where = f"--prompts {cfg.prompts}" if cfg.online else f"store {cfg.store}"
+        if sum(_gather(len(self.source.plan(0)), self.info)) == 0:
+            raise ValueError(
+                f"nothing to train on: {where} holds no sample of the training split "
+                f"(empty, or every sample falls in the --val-fraction {cfg.val_fraction} validation split)"
+            )
+        empty_val = self.val_source is not None and sum(_gather(len(self.val_source.plan(0)), self.info)) == 0
+        if empty_val and self.info.is_main:  # the gather above is a collective: every rank runs it
+            log.warning("%s: the validation split (--val-fraction %g) is empty: no validation", where,
+                        cfg.val_fraction)  # fmt: skip
 
     def _wrap(self, model: DraftModel) -> torch.nn.Module:
         if self.cfg.compile:
@@ -668,10 +764,13 @@ class Trainer:
         return plan
 
     def _loader(self, source: SampleSource, plan: list[str], start: int) -> PackedLoader:
+        if getattr(self, "_buffers", None) is None:  # one pool for every epoch and validation
+            self._buffers = BufferPool(self.cfg.grad_accum + 4)
         return PackedLoader(
             source, plan, start=start, total_seq_len=self.cfg.total_seq_len, layers=self.layer_index,
             hidden_dtype=self.hidden_dtype, num_workers=self.cfg.num_workers,
-            pin_memory=self.device.type == "cuda", prefetch=self.cfg.prefetch,
+            pin_memory=self.device.type == "cuda", prefetch=self.cfg.prefetch, read_threads=self.cfg.read_threads,
+            ahead=self.cfg.grad_accum + 1, device=self.device, buffers=self._buffers,
         )  # fmt: skip
 
     def _autocast(self):
@@ -698,12 +797,14 @@ class Trainer:
         win_tokens, win_wait, win_time, win_steps, win_flops = 0, 0.0, 0.0, 0, 0.0
         last_loss: float | None = None  # None (JSON null) when this run took no step
         last_saved = -1
+        refused = 0
         stop = False
         summary: dict[str, Any] = {}
         try:
             while self.epoch < cfg.epochs and not stop:
                 plan = self._plan(self.epoch)
-                batches = iter(self._loader(self.source, plan, self.position))
+                loader = self._loader(self.source, plan, self.position)
+                batches = iter(loader)
                 while True:
                     if self._limit_reached():
                         stop = True
@@ -728,10 +829,14 @@ class Trainer:
                         break
                     if go_on == 0:
                         break
-                    loss, grad_norm, sums, flops = self._step(micro)
+                    loss, grad_norm, sums, flops, applied = self._step(micro)
                     step_time = time.perf_counter() - t0
                     self.position = micro[-1].plan_end
                     self.source.consumed([s for b in micro for s in b.sample_ids])
+                    if not applied:
+                        self._skip_nonfinite(loss, grad_norm, micro)
+                        continue
+                    self.nonfinite_streak = 0
                     self.global_step += 1
                     last_loss = loss
                     window.add(sums)
@@ -753,6 +858,8 @@ class Trainer:
                     if cfg.save_every and self.global_step % cfg.save_every == 0:
                         self.save()
                         last_saved = self.global_step
+                batches.close()
+                refused += len(loader.refused)
                 if stop:
                     break
                 self._skip_rest(plan)
@@ -771,8 +878,11 @@ class Trainer:
                 "epoch": self.epoch,
                 "loss": last_loss,
                 "checkpoint": str(self.last_checkpoint),
+                "nonfinite_steps_skipped": self.nonfinite_skipped,
             }
         )
+        if refused:
+            summary["samples_refused"] = refused  # failed their check as read: skipped (warnings name them)
         stats = getattr(self.source, "stats", None)
         if callable(stats):  # online: samples generated, read, failed (see the failures file)
             summary["data"] = stats()
@@ -797,13 +907,14 @@ class Trainer:
             return True
         return cfg.stop_after_steps is not None and self.global_step >= cfg.stop_after_steps
 
-    def _step(self, micro: list) -> tuple[float, float, dict[str, torch.Tensor], float]:
+    def _step(self, micro: list) -> tuple[float, float, dict[str, torch.Tensor], float, bool]:
         cfg = self.cfg
         self.wrapped.train()
         sums = MetricSums()
         total = 0.0
         flops = 0.0
         for i, b in enumerate(micro):
+            self._check_vocab(b)
             b = b.to(self.device, non_blocking=True)
             gen = step_generator(cfg.seed, self.global_step, self.info.rank, i)
             sync = i == len(micro) - 1
@@ -820,10 +931,43 @@ class Trainer:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
         else:
             grad_norm = float(torch.norm(torch.stack([p.grad.norm() for p in params if p.grad is not None])))
+        finite = math.isfinite(total) and math.isfinite(grad_norm)
+        if self.info.enabled:  # every rank skips the same steps
+            finite = bool(_all_min(int(finite), self.info, self.device))
+        if not finite:
+            self.optimizer.zero_grad()
+            return total / len(micro), grad_norm, sums.sums, flops, False
         self.optimizer.step()
         self.optimizer.zero_grad()
         flops += self.optimizer.flops_per_step
-        return total / len(micro), grad_norm, sums.sums, flops
+        return total / len(micro), grad_norm, sums.sums, flops, True
+
+    def _check_vocab(self, b) -> None:
+        """Refuse a batch holding token ids the verifier does not have (another tokenizer made it)."""
+        top = int(b.input_ids.max()) if b.input_ids.numel() else 0
+        if top >= self.verifier.vocab_size:
+            raise ValueError(
+                f"samples {b.sample_ids[:4]} hold token id {top}, beyond the verifier's vocabulary of "
+                f"{self.verifier.vocab_size} ({self.cfg.verifier}): they were rendered with another tokenizer"
+            )
+
+    def _skip_nonfinite(self, loss: float, grad_norm: float, micro: list) -> None:
+        """Count a skipped non-finite step; raise :class:`NonFiniteTraining` after too many in a row."""
+        self.nonfinite_skipped += 1
+        self.nonfinite_streak += 1
+        ids = [s for b in micro for s in b.sample_ids]
+        shown = ", ".join(repr(i) for i in ids[:4]) + (f" and {len(ids) - 4} more" if len(ids) > 4 else "")
+        log.warning(
+            "step %d: loss %s, gradient norm %s: not finite, the step is skipped (samples %s; %d skipped so far)",
+            self.global_step + 1, loss, grad_norm, shown, self.nonfinite_skipped,
+        )  # fmt: skip
+        limit = self.cfg.max_nonfinite_steps
+        if self.nonfinite_streak >= limit:
+            raise NonFiniteTraining(
+                f"the loss or gradients were NaN/inf for {limit} steps in a row (after step {self.global_step}, "
+                f"last samples {shown}): nothing of them was applied or saved; check the store with "
+                "hsgen verify, or lower --lr (--max-nonfinite-steps sets the limit)"
+            )
 
     def _train_record(self, window, tokens, wait, elapsed, steps, flops, grad_norm, loss) -> dict[str, Any]:
         summ = window.summary(self.info)
@@ -841,6 +985,7 @@ class Trainer:
             "step_time_s": elapsed / max(steps, 1),
             "data_wait_fraction": wait / max(elapsed, 1e-9),
             "flops_per_s": flops / max(elapsed, 1e-9),
+            "nonfinite_steps_skipped": self.nonfinite_skipped,
         }
         stats = getattr(self.source, "stats", None)
         if callable(stats):
@@ -871,6 +1016,7 @@ class Trainer:
                 _, metrics = self.module(b, step_generator(self.cfg.seed, 0, self.info.rank, n))
             sums.add(metrics)
             n += 1
+        batches.close()
         rec = {"split": "validation", "step": self.global_step, "epoch": self.epoch, "sequences": n,
                **sums.summary(self.info)}  # fmt: skip
         self.metrics.write(rec)
@@ -902,6 +1048,9 @@ class Trainer:
         name = f"checkpoint-{self.global_step:08d}"
         final = self.save_path / name
         model_sd, optim_sd = self._full_states()
+        bad = [k for k, v in model_sd.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+        if bad and self._mode() != "fsdp":  # FSDP gathers the weights on rank 0 only: no rank may raise alone
+            raise NonFiniteTraining(f"refusing to save {name}: weights {bad[:3]} hold NaN/inf")
         positions = _gather(self.position, self.info)
         plans = getattr(self, "current_plans", None)
         if self.info.is_main:
@@ -929,8 +1078,8 @@ class Trainer:
                 "plans": plans,
             }
             torch.save(state, tmp / STATE_DIR / "state.pt")
-            resolved = {"train": self.cfg.to_dict(), "draft": self.draft_cfg.to_dict(),
-                        "loop": state["loop"]}  # fmt: skip
+            resolved = redact_secrets({"train": self.cfg.to_dict(), "draft": self.draft_cfg.to_dict(),
+                                       "loop": state["loop"]})  # fmt: skip
             (tmp / STATE_DIR / "train_config.json").write_text(json.dumps(resolved, indent=2) + "\n")
             if final.exists():
                 shutil.rmtree(final)

@@ -36,10 +36,11 @@ DRAFT_FLAGS = {
 TRAIN_FLAGS = (
     "store", "verifier", "verifier_name", "speculator_type", "save_path", "epochs", "max_steps", "stop_after_steps",
     "lr", "min_lr_ratio", "schedule", "warmup_steps", "warmup_ratio", "weight_decay", "max_grad_norm",
+    "max_nonfinite_steps",
     "total_seq_len", "grad_accum", "seed", "val_fraction", "val_every", "val_max_sequences", "save_every",
-    "keep_checkpoints", "resume", "num_workers", "prefetch", "log_every", "device", "precision", "distributed",
-    "vocab_scan_samples", "prompts", "optimizer", "muon_lr", "muon_momentum", "muon_weight_decay", "muon_ns_steps",
-    "muon_adjust_lr", "from_pretrained",
+    "keep_checkpoints", "resume", "num_workers", "prefetch", "read_threads", "verify_samples", "log_every", "device",
+    "precision", "distributed", "vocab_scan_samples", "prompts", "chat_template", "optimizer", "muon_lr",
+    "muon_momentum", "muon_weight_decay", "muon_ns_steps", "muon_adjust_lr", "from_pretrained",
 )  # fmt: skip
 
 
@@ -171,6 +172,11 @@ def build_train_config(params: dict[str, Any]):
 @click.option("--weight-decay", type=float, help="AdamW weight decay (default 0).")
 @click.option("--betas", help="AdamW betas, 'b1,b2' (default 0.9,0.95).")
 @click.option("--max-grad-norm", type=float, help="Gradient clipping norm, 0 = off (default 1.0).")
+@click.option(
+    "--max-nonfinite-steps",
+    type=int,
+    help="Steps with a NaN/inf loss or gradient are skipped; this many in a row stop the run (default 10).",
+)
 @click.option("--total-seq-len", type=int, help="Tokens per packed sequence (default 8192).")
 @click.option("--grad-accum", type=int, help="Packed sequences per optimizer step (default 1).")
 @click.option("--seed", type=int, help="Seed of plans, anchors and init (default 0).")
@@ -183,7 +189,13 @@ def build_train_config(params: dict[str, Any]):
 @click.option(
     "--num-workers", type=int, help="DataLoader reader processes; 0 = a prefetch thread (default 0)."
 )
-@click.option("--prefetch", type=int, help="Samples read ahead (default 8).")
+@click.option("--prefetch", type=int, help="Samples read ahead by --num-workers processes (default 8).")
+@click.option("--read-threads", type=int, help="Threads reading samples into the packed buffers (default 2).")
+@click.option(
+    "--verify-samples/--no-verify-samples",
+    default=None,
+    help="Check each sample's checksum as it is read; bad ones are skipped (default on).",
+)
 @click.option("--log-every", type=int, help="Steps per metrics.jsonl record (default 10).")
 @click.option("--tensorboard", is_flag=True, default=False, help="Also log to <save-path>/tensorboard.")
 @click.option("--device", help="auto | cuda | cpu (default auto).")
@@ -287,6 +299,12 @@ def build_train_config(params: dict[str, Any]):
     "--cache-generated", is_flag=True, default=False, help="Online: keep generated samples in --store."
 )
 @click.option("--prompts", type=click.Path(), help="Online: prompt file (JSONL / Parquet).")
+@click.option(
+    "--chat-template",
+    type=click.Path(exists=True, dir_okay=False),
+    help="The chat template file the prompts were rendered with, when not the verifier's own "
+    "(hsgen generate --chat-template); checked against the store's tokenizer fingerprint.",
+)
 @click.option("--shared-dir", help="Online: the servers' shared_storage_path as seen here (default /tmp).")
 @click.option(
     "--scratch-dir", help="Online: scratch store for generated samples (default /dev/shm if it fits)."
@@ -308,16 +326,37 @@ def train(**params: Any) -> None:
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     from hsgen.store.errors import StoreError
+    from spectrain.train import redact_secrets
     from spectrain.train import train as run_train
 
     try:
         summary = run_train(cfg)
     except (ValueError, StoreError) as e:
         raise click.ClickException(str(e)) from None
+    except (RuntimeError, OSError) as e:
+        cause = _user_cause(e)
+        if cause is None:
+            raise
+        raise click.ClickException(cause) from None
     if os.environ.get("RANK", "0") == "0":  # one summary line under torchrun, not one per rank
-        click.echo(json.dumps(summary, default=str))
+        click.echo(json.dumps(redact_secrets(summary), default=str))
     if summary.get("stopped_by"):  # a checkpoint was saved; 128 + the signal, as a shell reports it
         sys.exit(128 + int(getattr(signal.Signals, summary["stopped_by"])))
+
+
+def _user_cause(e: BaseException) -> str | None:
+    """The one-line message of an error a user caused (a server down or refusing the key, a path
+    not writable), found along ``e``'s cause chain; None for anything else (a bug: traceback)."""
+    from hsgen.client import FetchError
+
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, FetchError):
+            return str(seen)
+        if isinstance(seen, OSError) and seen.strerror and seen.filename:
+            return f"{seen.strerror}: {seen.filename}"
+        seen = seen.__cause__
+    return None
 
 
 @click.command("export", context_settings={"help_option_names": ["-h", "--help"]})

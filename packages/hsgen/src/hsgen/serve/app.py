@@ -1,15 +1,17 @@
 """The aiohttp application: vLLM's OpenAI-compatible endpoints with hidden-state extraction.
 
-Field names, status codes and error bodies follow vLLM (see ``docs/serve.md``). Only
-``/v1/*`` needs the API key, as in vLLM. ``/hsgen/*`` (faults, capacity) exists only with
+Field names, status codes and error bodies follow vLLM (see ``docs/serve.md``). Only paths
+starting with ``/v1`` need the API key, exactly as vLLM's ``AuthenticationMiddleware``. ``/hsgen/*`` (faults, capacity) exists only with
 ``ServeConfig.enable_admin``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
+import secrets
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -166,11 +168,26 @@ async def _error_middleware(request: web.Request, handler):
         return HTTPError(500, f"{type(e).__name__}: {e}", "InternalServerError").response()
 
 
+GUARDED_PREFIX = "/v1"
+"""With an API key, vLLM 0.18-0.33 requires it on paths starting with this and no others: /health,
+/ping, /version, /metrics, /tokenize and /detokenize answer without it (docs/serve.md)."""
+
+
+def bearer_matches(authorization: str, key: str) -> bool:
+    """vLLM's check: scheme ``Bearer`` (any case), token compared in constant time."""
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    return secrets.compare_digest(
+        hashlib.sha256(token.encode()).digest(), hashlib.sha256(key.encode()).digest()
+    )
+
+
 @web.middleware
 async def _auth_middleware(request: web.Request, handler):
     key = request.app[STATE_KEY].config.api_key
-    needs_key = key and request.method != "OPTIONS" and request.path.startswith("/v1")
-    if needs_key and request.headers.get("Authorization", "") != f"Bearer {key}":
+    needs_key = key and request.method != "OPTIONS" and request.path.startswith(GUARDED_PREFIX)
+    if needs_key and not bearer_matches(request.headers.get("Authorization", ""), key):
         return web.json_response({"error": "Unauthorized"}, status=401)
     return await handler(request)
 

@@ -90,8 +90,33 @@ def serve(**opts) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     config = config_from_options(opts)
+    _need_serve_extra()
+    from hsgen.serve.runner import bind
+
+    try:  # before loading the model: a taken port fails in milliseconds
+        sock = bind(config.host, config.port)
+    except OSError as e:
+        raise click.ClickException(
+            f"cannot listen on {config.host}:{config.port}: {e.strerror or e} (pick another --port)"
+        ) from None
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(_serve(config))
+        asyncio.run(_serve(config, sock))
+
+
+def _need_serve_extra() -> None:
+    """One line naming the fix when the server's dependencies are missing."""
+    import importlib
+
+    missing = []
+    for name in ("torch", "transformers", "safetensors"):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
+    if missing:
+        raise click.ClickException(
+            f"hsgen serve needs {', '.join(missing)} (not installed): pip install 'hsgen[serve]'"
+        )
 
 
 def config_from_options(opts: dict):
@@ -116,7 +141,7 @@ def config_from_options(opts: dict):
     return config
 
 
-async def _serve(config) -> None:
+async def _serve(config, sock=None) -> None:
     from hsgen.serve.app import build_state
     from hsgen.serve.runner import ServerRunner
 
@@ -124,8 +149,10 @@ async def _serve(config) -> None:
         state = await asyncio.get_running_loop().run_in_executor(None, build_state, config)
     except (ValueError, FileNotFoundError) as e:
         raise click.ClickException(str(e)) from None
+    except OSError as e:
+        raise click.ClickException(f"{e.strerror or e}: {e.filename}" if e.filename else str(e)) from None
     runner = ServerRunner(state)
-    url = await runner.start(config.host, config.port)
+    url = await runner.start(config.host, config.port, sock=sock)
     print(f"{READY_PREFIX}{url}", file=sys.stderr, flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -4,14 +4,16 @@ Open with :meth:`HiddenStateStore.create` / :meth:`HiddenStateStore.open`; add s
 :class:`ShardWriter`; read :class:`Sample` objects by id. Byte layout: ``docs/format.md``.
 """
 
-from .errors import StoreError, StoreHeaderMismatch
+from .errors import CorruptSample, StoreError, StoreHeaderMismatch
 from .header import CODECS, FORMAT_VERSION, LOGICAL_DTYPES, STORAGE_DTYPES, StoreHeader
+from .integrity import check_sample, sample_matches
 from .records import Sample, SampleRecord
 from .store import HiddenStateStore
 from .writer import ShardWriter
 
 __all__ = [
     "CODECS",
+    "CorruptSample",
     "FORMAT_VERSION",
     "LOGICAL_DTYPES",
     "STORAGE_DTYPES",
@@ -22,4 +24,6 @@ __all__ = [
     "StoreError",
     "StoreHeader",
     "StoreHeaderMismatch",
+    "check_sample",
+    "sample_matches",
 ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from pathlib import Path
 
 import click
 
@@ -57,17 +58,19 @@ def _human(n: float) -> str:
 @_store_arg
 @_json_opt
 @click.option(
-    "--exact",
+    "--fast",
     is_flag=True,
-    help="Replay every manifest record to count duplicate sample ids once (slower on big stores).",
+    help="Read only the manifests' commit and delete lines (much faster on huge stores); a sample id "
+    "stored twice then counts twice, and samples lost to a bad manifest line still count.",
 )
-def status(store: str, as_json: bool, exact: bool) -> None:
+@click.option("--exact", is_flag=True, hidden=True, help="The default; kept for old scripts.")
+def status(store: str, as_json: bool, fast: bool, exact: bool) -> None:
     """Summarize STORE from its manifests: samples, tokens, bytes, bytes/token, shards, writers.
 
-    Reads only the manifests' commit and delete lines (no shard is opened), so it stays fast on
-    stores of millions of samples. A sample id stored twice counts twice unless --exact.
+    Replays every manifest record (no shard is opened): each sample id counts once, exactly the
+    samples `hsgen verify` checks and readers see. --fast reads only commit and delete lines.
     """
-    s = _summary(store, exact)
+    s = _summary(store, exact=not fast)
     if as_json:
         click.echo(json.dumps(s))
         return
@@ -77,15 +80,18 @@ def status(store: str, as_json: bool, exact: bool) -> None:
         f"verifier     {h['verifier']}  layers {h['layer_ids']}  hidden {h['hidden_size']}  {h['dtype']}"
     )
     click.echo(f"codec        {s['codec']}")
-    click.echo(f"samples      {s['samples']}")
+    click.echo(f"samples      {s['samples']}" + ("" if s["exact"] else " (copies, --fast)"))
     click.echo(f"tokens       {s['tokens']}")
     click.echo(f"bytes        {s['bytes']} ({_human(s['bytes'])}), {s['bytes_per_token']:.1f} bytes/token")
     click.echo(f"shards       {s['shards']} live, {s['deleted_shards']} deleted")
     click.echo(f"writers      {s['writers']}")
     if s.get("duplicates"):
-        click.echo(f"duplicates   {s['duplicates']} (a later copy of a sample id is ignored)")
+        click.echo(f"duplicates   {s['duplicates']} later copies of stored ids (hsgen gc removes them)")
     if s["manifest_problems"]:
-        click.echo(f"problems     {s['manifest_problems']} invalid manifest lines (run hsgen verify)")
+        click.echo(
+            f"problems     {s['manifest_problems']} invalid manifest lines (hsgen verify lists them; "
+            "hsgen gc --repair recovers the samples they hide)"
+        )
 
 
 @click.command()
@@ -117,16 +123,59 @@ def verify(store: str, as_json: bool, progress: bool | None) -> None:
 @_store_arg
 @_json_opt
 @click.option("--dry-run", is_flag=True, help="Only report what would be removed.")
-def gc(store: str, as_json: bool, dry_run: bool) -> None:
-    """Remove orphaned temp files, uncommitted shards of dead writers and deleted shards from STORE."""
+@click.option(
+    "--repair",
+    is_flag=True,
+    help="First rebuild manifests with bad lines (of writers no longer running) from the shards' own "
+    "sample tables, keeping every sample whose checksum matches.",
+)
+@click.option(
+    "--shared-dir",
+    "shared_dirs",
+    multiple=True,
+    type=click.Path(file_okay=False),
+    help="The servers' shared directory: also remove the files there left by killed 'hsgen generate' "
+    "runs on this store (found by their request-id prefix; other clients' files are never touched). "
+    "Repeatable.",
+)
+def gc(store: str, as_json: bool, dry_run: bool, repair: bool, shared_dirs: tuple[str, ...]) -> None:
+    """Reclaim space in STORE: orphaned temp files, uncommitted shards of dead writers, deleted shards,
+    and later copies of sample ids stored twice."""
+    from .leases import LEASE_DIR, sweep_dead_leases
+    from .store import HEADER_FILE
+
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s", stream=sys.stderr)
-    out = _open(store).gc(dry_run=dry_run)
+    path = Path(store)
+    if not (path / HEADER_FILE).exists() and (path / LEASE_DIR).is_dir():
+        out = {"removed_temp": 0, "removed_uncommitted": 0, "removed_deleted": 0, "bytes_freed": 0}
+        out |= {"live_writers": 0, "dry_run": dry_run}  # killed before its first sample: leases only
+    else:
+        try:
+            out = _open(store).gc(dry_run=dry_run, repair=repair)
+        except (StoreError, OSError) as e:
+            raise click.ClickException(str(e)) from None
+    if shared_dirs:
+        out.update(sweep_dead_leases(path, list(shared_dirs), dry_run=dry_run))
     if as_json:
         click.echo(json.dumps(out))
         return
     verb = "would remove" if dry_run else "removed"
-    click.echo(
-        f"{verb}: {out['removed_temp']} temp, {out['removed_uncommitted']} uncommitted, "
-        f"{out['removed_deleted']} deleted shards; {_human(out['bytes_freed'])} freed"
-        + (f"; {out['live_writers']} live writers left alone" if out["live_writers"] else "")
-    )
+    parts = [
+        f"{out['removed_temp']} temp",
+        f"{out['removed_uncommitted']} uncommitted",
+        f"{out['removed_deleted']} deleted shards",
+        f"{out.get('duplicates_removed', 0)} duplicate copies",
+    ]
+    if shared_dirs:
+        parts.append(f"{out['orphans_removed']} server files of dead clients")
+    line = f"{verb}: " + ", ".join(parts) + f"; {_human(out['bytes_freed'])} freed"
+    if repair:
+        line += (
+            f"; repaired {out['repaired_manifests']} manifests ({out['recovered_samples']} samples recovered, "
+            f"{out['dropped_samples']} corrupt dropped)"
+        )
+    if out["live_writers"]:
+        line += f"; {out['live_writers']} live writers left alone"
+    if out.get("kept_damaged"):
+        line += f"; {out['kept_damaged']} shards of damaged manifests kept (use --repair)"
+    click.echo(line)

@@ -134,26 +134,95 @@ CHECKSUM_BLOCK_WORDS = 512
 """Words (uint64) per block of the ``bsum64`` checksum: 4 KiB, one page."""
 
 
-def _bsum64(arrays: Sequence[np.ndarray]) -> str:
-    h = hashlib.blake2b(digest_size=8)
+class ChecksumStream:
+    """A sample checksum fed piece by piece, so a reader can check bytes while they are hot in cache.
+
+    Feed each array with :meth:`begin` (its total byte length) and then :meth:`update` calls
+    covering its bytes in order; :meth:`hexdigest` after the last array equals
+    :func:`checksum` of the whole arrays. For ``bsum64`` every piece but an array's last must
+    be a multiple of 4 KiB (the checksum's block).
+    """
+
+    BLOCK = 8 * 512
+
+    def __init__(self, algorithm: str = "bsum64"):
+        if algorithm not in CHECKSUMS:
+            raise ValueError(f"unknown checksum algorithm {algorithm!r} (known: {sorted(CHECKSUMS)})")
+        self.algorithm = algorithm
+        self._h = hashlib.blake2b(digest_size=8)
+        self._crc = 0
+        self._left = 0
+        self._rows = np.zeros(0, dtype=np.uint64)  # one sum per whole block of the current array
+        self._done = 0  # blocks summed so far
+        self._cols: np.ndarray | None = None
+        self._col = np.empty(CHECKSUM_BLOCK_WORDS, dtype=np.uint64)
+        self._tail = b""
+
+    def begin(self, nbytes: int) -> None:
+        """Start the next array, of ``nbytes`` bytes."""
+        self._finish()
+        self._left = nbytes
+        if self.algorithm == "bsum64":
+            self._h.update(nbytes.to_bytes(8, "little"))
+            self._cols = np.zeros(CHECKSUM_BLOCK_WORDS, dtype=np.uint64)
+            self._rows = np.empty(nbytes // self.BLOCK, dtype=np.uint64)
+            self._done = 0
+
+    def update(self, data) -> None:
+        """Feed the next bytes of the current array."""
+        b = memoryview(data).cast("B")
+        if len(b) > self._left:
+            raise ValueError(f"{len(b)} bytes fed, {self._left} left in this array")
+        self._left -= len(b)
+        if self.algorithm == "crc32":
+            self._crc = zlib.crc32(b, self._crc)
+            return
+        full = len(b) // self.BLOCK
+        if self._left and len(b) % self.BLOCK:
+            raise ValueError(
+                f"a bsum64 piece must be a multiple of {self.BLOCK} bytes unless it ends the array"
+            )
+        if full:
+            blocks = np.frombuffer(b[: full * self.BLOCK], dtype="<u8").reshape(full, CHECKSUM_BLOCK_WORDS)
+            np.add.reduce(blocks, axis=1, out=self._rows[self._done : self._done + full])
+            np.add.reduce(blocks, axis=0, out=self._col)
+            self._cols += self._col  # type: ignore[operator]
+            self._done += full
+        self._tail = bytes(b[full * self.BLOCK :])
+
+    def _finish(self) -> None:
+        if self._left:
+            raise ValueError(f"array ended {self._left} bytes early")
+        if self.algorithm == "bsum64" and self._cols is not None:
+            if self._done:
+                self._h.update(self._rows.astype("<u8", copy=False).tobytes())
+                self._h.update(self._cols.astype("<u8", copy=False).tobytes())
+            self._h.update(self._tail)
+            self._cols, self._tail = None, b""
+
+    def hexdigest(self) -> str:
+        """The checksum string (``"bsum64:..."`` or ``"crc32:..."``) of everything fed."""
+        self._finish()
+        if self.algorithm == "crc32":
+            return f"crc32:{self._crc:08x}"
+        return f"bsum64:{self._h.hexdigest()}"
+
+
+def _stream(arrays: Sequence[np.ndarray], algorithm: str) -> str:
+    s = ChecksumStream(algorithm)
     for a in arrays:
         b = memoryview(np.ascontiguousarray(a)).cast("B")
-        h.update(len(b).to_bytes(8, "little"))
-        full = len(b) // (8 * CHECKSUM_BLOCK_WORDS)
-        if full:
-            words = np.frombuffer(b[: full * 8 * CHECKSUM_BLOCK_WORDS], dtype="<u8")
-            blocks = words.reshape(full, CHECKSUM_BLOCK_WORDS)
-            h.update(blocks.sum(axis=1, dtype=np.uint64).astype("<u8").tobytes())
-            h.update(blocks.sum(axis=0, dtype=np.uint64).astype("<u8").tobytes())
-        h.update(b[full * 8 * CHECKSUM_BLOCK_WORDS :])
-    return f"bsum64:{h.hexdigest()}"
+        s.begin(len(b))
+        s.update(b)
+    return s.hexdigest()
+
+
+def _bsum64(arrays: Sequence[np.ndarray]) -> str:
+    return _stream(arrays, "bsum64")
 
 
 def _crc32(arrays: Sequence[np.ndarray]) -> str:
-    crc = 0
-    for a in arrays:
-        crc = zlib.crc32(memoryview(np.ascontiguousarray(a)).cast("B"), crc)
-    return f"crc32:{crc:08x}"
+    return _stream(arrays, "crc32")
 
 
 CHECKSUMS = {"bsum64": _bsum64, "crc32": _crc32}
@@ -178,3 +247,10 @@ def checksum(arrays: Sequence[np.ndarray], algorithm: str = "bsum64") -> str:
 def checksum_like(expected: str, arrays: Sequence[np.ndarray]) -> str:
     """Checksum of ``arrays`` with the algorithm named by ``expected``'s prefix."""
     return checksum(arrays, expected.split(":", 1)[0])
+
+
+def sample_arrays(
+    hidden: np.ndarray, token_ids: np.ndarray, loss_mask: np.ndarray, scale: np.ndarray | None = None
+) -> list[np.ndarray]:
+    """The arrays a sample's checksum covers, in order: stored hidden rows, fp8 scale, ids, mask."""
+    return [hidden] + ([scale] if scale is not None else []) + [token_ids, loss_mask]

@@ -17,3 +17,17 @@ class StoreHeaderMismatch(StoreError):
     def __init__(self, message: str, problems: list[str]):
         super().__init__(message)
         self.problems = problems
+
+
+class CorruptSample(StoreError):
+    """A sample whose stored bytes do not match the checksum its manifest record holds.
+
+    Attributes:
+        sample_id: the sample.
+        shard: its shard, relative to the store.
+    """
+
+    def __init__(self, message: str, sample_id: str, shard: str):
+        super().__init__(message)
+        self.sample_id = sample_id
+        self.shard = shard

@@ -69,6 +69,8 @@ def write_file(path: Path, buffers: Sequence[memoryview | bytes], *, fsync: bool
         n = write_all(fd, buffers)
         if fsync:
             os.fsync(fd)
+    except OSError as e:  # a write error (disk full) names the file
+        raise OSError(e.errno, e.strerror, str(path)) from None
     finally:
         os.close(fd)
     return n

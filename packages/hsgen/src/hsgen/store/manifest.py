@@ -7,7 +7,9 @@ Record kinds (one JSON object per line, ``\\n``-terminated, see ``docs/format.md
   it are complete; adds without a later commit in the same file are ignored;
 - ``{"op": "delete", "shard"}``: a tombstone; the shard's samples are gone for good.
 
-A line without its final newline is torn (its writer died or is writing) and is ignored.
+A line without its final newline is torn (its writer died or is writing) and is ignored. A bad
+line elsewhere is reported as a problem and costs only its own record: a commit keeps the rows
+whose add lines are intact (``hsgen gc --repair`` rebuilds the file from the shards' own tables).
 """
 
 from __future__ import annotations
@@ -134,6 +136,8 @@ class ManifestReplay:
         self.deleted: set[str] = set()
         self.problems: list[str] = []
         """Bad lines (file:line: reason); verify reports them."""
+        self.damaged: set[str] = set()
+        """Manifest files with a problem (``hsgen gc --repair`` rewrites them)."""
 
     def refresh(self) -> ReplayDelta:
         """Read what was appended to each manifest since the last call."""
@@ -181,13 +185,9 @@ class ManifestReplay:
                         shard_rows.append(row)
                 elif op == "commit":
                     shard = rec["shard"]
-                    rows = pending.pop(shard, [])
-                    if len(rows) != rec["samples"]:
-                        raise ValueError(
-                            f"commit says {rec['samples']} samples, {len(rows)} add lines precede it"
-                        )
                     if shard in self.shards:
                         raise ValueError(f"shard {shard} committed twice")
+                    rows = pending.pop(shard, [])
                     info = ShardInfo(
                         shard,
                         writer,
@@ -199,6 +199,13 @@ class ManifestReplay:
                     )
                     self.shards[shard] = info
                     delta.committed.append(info)
+                    if len(rows) != rec["samples"]:
+                        # the intact rows stay readable; `hsgen gc --repair` recovers the others
+                        self._problem(
+                            name,
+                            f"{path}:{line_no}: commit of {shard} says {rec['samples']} samples but only "
+                            f"{len(rows)} intact add lines precede it (run hsgen gc --repair)",
+                        )
                 elif op == "delete":
                     if rec["shard"] not in self.deleted:
                         self.deleted.add(rec["shard"])
@@ -206,10 +213,13 @@ class ManifestReplay:
                 else:
                     raise ValueError(f"unknown op {op!r}")
             except (ValueError, KeyError, TypeError) as e:
-                msg = f"{path}:{line_no}: invalid manifest record ({e})"
-                log.warning(msg)
-                self.problems.append(msg)
+                self._problem(name, f"{path}:{line_no}: invalid manifest record ({e})")
         state.line_no = line_no
+
+    def _problem(self, name: str, message: str) -> None:
+        log.warning("%s", message)
+        self.problems.append(message)
+        self.damaged.add(name)
 
 
 class ManifestAppender:
@@ -253,9 +263,12 @@ class ManifestAppender:
             write_all(self.fd, [data[: len(data) // 2]])
             os.fsync(self.fd)
             failpoint("manifest_torn")
-        write_all(self.fd, [data])
-        if fsync:
-            os.fsync(self.fd)
+        try:
+            write_all(self.fd, [data])
+            if fsync:
+                os.fsync(self.fd)
+        except OSError as e:  # a write error (disk full) names the file
+            raise OSError(e.errno, e.strerror, str(self.path)) from None
 
     def close(self) -> None:
         """Close the file (releases the lock)."""

@@ -230,9 +230,11 @@ class ShardReader:
     def _fd(self, rel: str) -> int:
         if rel not in self._fds:
             try:
-                self._fds[rel] = os.open(self.root / rel, os.O_RDONLY)
+                fd = os.open(self.root / rel, os.O_RDONLY)
             except FileNotFoundError as e:
                 raise StoreError(f"{self.root / rel}: missing") from e
+            if self._fds.setdefault(rel, fd) != fd:  # another thread opened it first
+                os.close(fd)
         return self._fds[rel]
 
     def _zarr_array(self, name: str):
@@ -291,17 +293,22 @@ class ShardReader:
                 raise StoreError(f"{self.root}/hidden_states/c/0/0/0: shard index checksum mismatch")
         return np.frombuffer(bytes(buf[: 16 * n_chunks]), dtype="<u8").reshape(n_chunks, 2)
 
+    def _ensure_index(self, inner: int) -> np.ndarray:
+        """The hidden-state file's sharding index (loaded once per open shard)."""
+        if self._index is None:
+            m = self.meta("hidden_states")
+            outer = m["chunk_grid"]["configuration"]["chunk_shape"][0]
+            with_crc = len(m["codecs"][0]["configuration"]["index_codecs"]) == 2
+            self._index = self._load_index(outer // inner, with_crc)
+        return self._index
+
     def _read_hidden(self, offset: int, length: int) -> np.ndarray:
         layout = self._hidden_layout()
         if layout is None:
             return np.asarray(self._zarr_array("hidden_states")[offset : offset + length])
         inner, row_bytes = layout
         m = self.meta("hidden_states")
-        if self._index is None:
-            outer = m["chunk_grid"]["configuration"]["chunk_shape"][0]
-            with_crc = len(m["codecs"][0]["configuration"]["index_codecs"]) == 2
-            self._index = self._load_index(outer // inner, with_crc)
-        index = self._index
+        index = self._ensure_index(inner)
         out = np.empty([length, *m["shape"][1:]], dtype=np.dtype(m["data_type"]).newbyteorder("<"))
         view = memoryview(out).cast("B")
         fd = self._fd("hidden_states/c/0/0/0")
@@ -336,6 +343,78 @@ class ShardReader:
             self._read_plain("loss_mask", offset, length),
             scale,
         )
+
+    def read_into(
+        self,
+        offset: int,
+        length: int,
+        hidden: np.ndarray,
+        token_ids: np.ndarray,
+        loss_mask: np.ndarray,
+        *,
+        checksum: str | None = None,
+        piece_bytes: int = 1 << 20,
+    ) -> str | None:
+        """Read rows ``[offset, offset + length)`` straight into the caller's arrays.
+
+        ``hidden`` is ``[length, L, H]``, C-contiguous, in the storage dtype of the store's logical
+        dtype (fp8 shards are decoded into it); ``token_ids`` ``[length]`` int64; ``loss_mask``
+        ``[length]`` uint8. Uncompressed rows are read with ``preadv`` in pieces of
+        ``piece_bytes``; with ``checksum`` (the manifest's string) each piece is checksummed right
+        after it lands, while it is still in cache. Other layouts go through :meth:`read`.
+
+        Returns:
+            The checksum of the stored bytes (same algorithm as ``checksum``), or None without one.
+        """
+        want = (length, *self.shape("hidden_states")[1:])
+        if tuple(hidden.shape) != want or not hidden.flags.c_contiguous:
+            raise ValueError(f"hidden buffer {hidden.shape} is not a C-contiguous {want}")
+        if hidden.dtype.itemsize != STORAGE_DTYPES[self.dtype].itemsize:
+            raise ValueError(f"hidden buffer dtype {hidden.dtype} does not hold {self.dtype}")
+        stream = C.ChecksumStream(checksum.split(":", 1)[0]) if checksum else None
+        layout = self._hidden_layout() if self.codec == "raw" else None
+        contiguous = None
+        if layout is not None and length > 0:
+            inner, row_bytes = layout
+            first, last = offset // inner, (offset + length - 1) // inner
+            spans = self._ensure_index(inner)[first : last + 1]
+            chunk = inner * row_bytes
+            if (spans[:, 1] == chunk).all() and (np.diff(spans[:, 0].astype(np.int64)) == chunk).all():
+                contiguous = int(spans[0, 0]) + (offset - first * inner) * row_bytes
+        if contiguous is not None:
+            view = memoryview(hidden).cast("B")
+            fd = self._fd("hidden_states/c/0/0/0")
+            step = max(C.ChecksumStream.BLOCK, piece_bytes // C.ChecksumStream.BLOCK * C.ChecksumStream.BLOCK)
+            if stream is None:
+                step = max(step, len(view))  # nothing to check: one read
+            else:
+                stream.begin(len(view))
+            for lo in range(0, len(view), step):
+                piece = view[lo : lo + step]
+                read_exact_into(fd, piece, contiguous + lo)
+                if stream is not None:
+                    stream.update(piece)
+            extra: list[np.ndarray] = []
+        else:
+            stored, tokens, mask, scale = self.read(offset, length)
+            np.copyto(hidden.view(STORAGE_DTYPES[self.dtype]), self.decode(stored, scale))
+            np.copyto(token_ids, tokens)
+            np.copyto(loss_mask, mask)
+            if stream is None:
+                return None
+            return C.checksum_like(
+                checksum, [stored] + ([scale] if scale is not None else []) + [tokens, mask]
+            )
+        for name, out in (("token_ids", token_ids), ("loss_mask", loss_mask)):
+            out[...] = self._read_plain(name, offset, length)
+            extra.append(out)
+        if stream is None:
+            return None
+        for a in extra:
+            b = memoryview(np.ascontiguousarray(a)).cast("B")
+            stream.begin(len(b))
+            stream.update(b)
+        return stream.hexdigest()
 
     def decode(self, hidden: np.ndarray, scale: np.ndarray | None) -> np.ndarray:
         """Stored hidden rows -> storage-dtype hidden states (dequantizes fp8)."""

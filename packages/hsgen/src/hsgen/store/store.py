@@ -6,19 +6,20 @@ import json
 import logging
 import os
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from . import codecs as C
+import numpy as np
+
 from .errors import StoreError, StoreHeaderMismatch
-from .fsutil import atomic_write_exclusive, failpoint, fsync_dir, is_locked, tree_bytes
+from .fsutil import atomic_write_exclusive, failpoint, fsync_dir
 from .header import FORMAT_VERSION, StoreHeader
+from .integrity import check_sample
 from .manifest import MANIFEST_SUFFIX, ManifestAppender, ManifestReplay, ReplayDelta, ShardInfo
 from .records import Sample, SampleRecord
 from .shard import ShardReader
-from .writer import SHARD_NAME, ShardWriter, default_writer_id, remove_tree
+from .writer import ShardWriter, default_writer_id, remove_tree
 
 log = logging.getLogger(__name__)
 
@@ -230,12 +231,13 @@ class HiddenStateStore:
             if entry.evicted and entry.users == 0:
                 entry.reader.close()
 
-    def read(self, sample_id: str, *, verify: bool = False) -> Sample:
+    def read(self, sample_id: str, *, verify: bool = True) -> Sample:
         """Read one live sample (KeyError if absent).
 
         Args:
             sample_id: the sample.
-            verify: also check the checksum (StoreError on mismatch).
+            verify: check its bytes against the manifest checksum (:class:`CorruptSample`, a
+                ``StoreError``, on mismatch); costs a pass over the bytes at several GB/s.
         """
         info, i = self._lookup(sample_id)
         entry = self._acquire(info.name)
@@ -248,16 +250,41 @@ class HiddenStateStore:
         sid, offset, length, checksum = info.rows[i]
         hidden, token_ids, loss_mask, scale = reader.read(offset, length)
         if verify:
-            arrays = [hidden] + ([scale] if scale is not None else []) + [token_ids, loss_mask]
-            got = C.checksum_like(checksum, arrays)
-            if got != checksum:
-                raise StoreError(
-                    f"{self.path / info.name}: sample {sid!r} checksum {got} != manifest {checksum}"
-                )
+            record = SampleRecord(sid, info.name, offset, length, checksum)
+            check_sample(record, hidden, token_ids, loss_mask, scale, store=str(self.path))
         return Sample(sid, reader.decode(hidden, scale), token_ids, loss_mask, self.header.dtype)
 
-    def read_many(self, sample_ids: Iterable[str], *, verify: bool = False) -> list[Sample]:
-        """Read several samples (in the order given), grouping the reads per shard."""
+    def read_into(
+        self, sample_id: str, hidden: np.ndarray, token_ids: np.ndarray, loss_mask: np.ndarray, *,
+        verify: bool = False,
+    ) -> SampleRecord:  # fmt: skip
+        """Read one live sample straight into the caller's buffers (no intermediate copy for raw shards).
+
+        Args:
+            sample_id: the sample (KeyError if absent).
+            hidden: ``[length, L, H]`` C-contiguous, in the storage dtype (uint16 for bfloat16).
+            token_ids: ``[length]`` int64.
+            loss_mask: ``[length]`` uint8.
+            verify: check the checksum as the bytes land (StoreError naming store, shard and sample).
+
+        Returns:
+            The sample's manifest record.
+        """
+        info, i = self._lookup(sample_id)
+        sid, offset, length, checksum = info.rows[i]
+        entry = self._acquire(info.name)
+        try:
+            got = entry.reader.read_into(
+                offset, length, hidden, token_ids, loss_mask, checksum=checksum if verify else None
+            )
+        finally:
+            self._release(entry)
+        if verify and got != checksum:
+            raise StoreError(f"{self.path / info.name}: sample {sid!r} checksum {got} != manifest {checksum}")
+        return SampleRecord(sid, info.name, offset, length, checksum)
+
+    def read_many(self, sample_ids: Iterable[str], *, verify: bool = True) -> list[Sample]:
+        """Read several samples (in the order given), grouping the reads per shard; ``verify`` as :meth:`read`."""
         ids = list(sample_ids)
         located = [self._lookup(s) for s in ids]
         order = sorted(range(len(ids)), key=lambda k: (located[k][0].key, located[k][1]))
@@ -347,55 +374,53 @@ class HiddenStateStore:
 
         return verify_store(self, progress=progress)
 
-    def gc(self, *, dry_run: bool = False, min_age_s: float = 60.0) -> dict:
-        """Remove temp files, uncommitted shards of dead writers, and tombstoned shards.
+    def gc(
+        self,
+        *,
+        dry_run: bool = False,
+        min_age_s: float = 60.0,
+        dedupe: bool = True,
+        repair: bool = False,
+    ) -> dict:
+        """Reclaim space: temp files, uncommitted shards of dead writers, tombstoned shards, duplicates.
 
-        Shards and temp files of live writers (their manifest lock is held) are left alone.
+        Nothing of a live writer (its manifest lock is held) is touched.
 
         Args:
             dry_run: only count what would be removed.
             min_age_s: leave store-level temp files younger than this (a create may be running).
+            dedupe: drop the later copies of sample ids stored more than once.
+            repair: first rebuild damaged manifests of dead writers from their shards' tables.
 
         Returns:
             ``removed_temp``, ``removed_deleted``, ``removed_uncommitted``, ``bytes_freed``,
-            ``live_writers``, ``dry_run``.
+            ``live_writers``, ``kept_damaged``, ``duplicates_removed``, ``duplicates_kept``,
+            the ``repair`` counts when asked, and ``dry_run``.
         """
+        from . import maintenance
+
         self.refresh()
-        out = {"removed_temp": 0, "removed_deleted": 0, "removed_uncommitted": 0, "bytes_freed": 0}
-        live_writers = 0
-        shards_dir = self.path / "shards"
-        for writer in sorted(os.listdir(shards_dir)):
-            wdir = shards_dir / writer
-            if not wdir.is_dir():
-                continue
-            alive = is_locked(self.path / "manifests" / f"{writer}{MANIFEST_SUFFIX}")
-            live_writers += alive
-            for entry in sorted(os.listdir(wdir)):
-                rel = f"shards/{writer}/{entry}"
-                if ".trash-" in entry or (".tmp-" in entry and not alive):
-                    kind = "removed_temp"
-                elif SHARD_NAME.match(entry) and rel in self._replay.deleted:
-                    kind = "removed_deleted"
-                elif SHARD_NAME.match(entry) and rel not in self._replay.shards and not alive:
-                    kind = "removed_uncommitted"
-                else:
-                    continue
-                out[kind] += 1
-                out["bytes_freed"] += tree_bytes(wdir / entry)
-                if not dry_run:
-                    log.info("gc: removing %s (%s)", rel, kind.removeprefix("removed_"))
-                    remove_tree(wdir / entry)
-        now = time.time()
-        for entry in os.listdir(self.path):
-            p = self.path / entry
-            if entry.startswith(f".{HEADER_FILE}.tmp-") and now - p.stat().st_mtime > min_age_s:
-                out["removed_temp"] += 1
-                out["bytes_freed"] += p.stat().st_size
-                if not dry_run:
-                    p.unlink(missing_ok=True)
-        out["live_writers"] = live_writers
+        out: dict = {}
+        if repair:
+            out.update(maintenance.repair_manifests(self, dry_run=dry_run))
+        if dedupe:
+            out.update(maintenance.dedupe(self, dry_run=dry_run))
+        self.refresh()
+        left = maintenance.remove_leftovers(
+            self, dry_run=dry_run, min_age_s=min_age_s, header_file=HEADER_FILE
+        )
+        if dedupe:
+            left["bytes_freed"] += out.get("duplicate_bytes", 0) if dry_run else 0
+        out = {**left, **out}
         out["dry_run"] = dry_run
         return out
+
+    def _reload(self) -> None:
+        """Forget what was replayed and read every manifest again (after one was rewritten)."""
+        with self._lock:
+            self._replay = ManifestReplay(self.path / "manifests")
+            self._replay.refresh()
+            self._rebuild()
 
     def close(self) -> None:
         """Close cached shard files and the tombstone manifest."""

@@ -7,7 +7,12 @@ another ``hsgen generate`` can be writing into it), and otherwise asks the vLLM 
 the hidden states through :class:`hsgen.client.HiddenStateClient`, on a background asyncio
 thread, a bounded window ahead of the trainer. Fetched samples are committed to a scratch
 store (``/dev/shm`` when it fits) and read back like cached ones, so the trainer never sees a
-half-written sample.
+half-written sample; with ``persist_fetched=False`` (and ``delete_consumed``) they skip the
+scratch store and are read once from memory straight into their batch.
+
+It is ``hsgen generate`` (prompt -> request -> file -> shard -> manifest) plus the loader
+(shard -> batch): the units are named for what they hold (``prompts``, ``fetcher``, ``landing``,
+``stores``, ``ledger``, ``reading``, ``retention``) and ``source`` wires them; see docs/design.md.
 
 Scratch space stays under ``scratch_bytes`` with ``delete_consumed``: a generated shard is
 deleted once every sample in it was consumed, i.e. once the optimizer step that used them

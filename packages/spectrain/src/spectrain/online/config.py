@@ -34,6 +34,11 @@ class OnlineConfig:
             were consumed by this rank (explicit opt-in: it destroys the user's cache).
         cache_generated: write generated samples into ``store`` (kept for later epochs and
             runs) instead of the scratch store.
+        persist_fetched: commit fetched samples to the scratch store (a restarted run reads the
+            ones it fetched but did not train instead of fetching them again). False (only with
+            ``delete_consumed``): a fetched sample goes from the server's file straight into its
+            batch, one copy per byte, and is held in memory (counted in the bound) until its
+            optimizer step completes; after a crash those samples are fetched again.
         rank: this process's rank; it fetches only its own share of the plan.
         world_size: number of ranks.
         seed: shuffle seed of the epoch plan.
@@ -44,7 +49,8 @@ class OnlineConfig:
         max_len: longest prompt in tokens (vLLM needs ``max_model_len - 1``).
         on_too_long: ``"truncate"`` or ``"skip"`` (a skipped prompt is reported as failed).
         chat_template: a template file overriding the verifier's.
-        api_key: bearer token for the servers.
+        api_key: bearer token for the servers; default ``$VLLM_API_KEY``, the place to keep it (saved
+            configs redact it, and never print it).
         failures_path: JSONL file of samples that could not be produced
             (default ``<save_path>/online-failures-rank<r>.jsonl``).
         client_options: extra :class:`hsgen.client.ClientConfig` fields (timeouts, retries, ...).
@@ -68,6 +74,7 @@ class OnlineConfig:
     delete_consumed: bool = False
     delete_cached: bool = False
     cache_generated: bool = False
+    persist_fetched: bool = True
     rank: int = 0
     world_size: int = 1
     seed: int = 0
@@ -77,7 +84,7 @@ class OnlineConfig:
     max_len: int | None = None
     on_too_long: str = "truncate"
     chat_template: str | None = None
-    api_key: str | None = None
+    api_key: str | None = field(default_factory=lambda: os.environ.get("VLLM_API_KEY") or None, repr=False)
     failures_path: str | None = None
     client_options: dict[str, Any] = field(default_factory=dict)
     saturation: dict[str, Any] = field(default_factory=dict)
@@ -115,6 +122,8 @@ class OnlineConfig:
             "seed": cfg.seed,
             "validation_fraction": cfg.val_fraction,
         }
+        if getattr(cfg, "chat_template", None):
+            kwargs["chat_template"] = cfg.chat_template
         kwargs.update(extra)
         if not kwargs.get("layer_ids"):
             kwargs["layer_ids"] = _default_layer_ids(cfg)
@@ -134,6 +143,11 @@ class OnlineConfig:
             raise ValueError("--prefetch-samples and --max-in-flight must be >= 1")
         if self.delete_consumed and self.cache_generated:
             raise ValueError("--delete-consumed and --cache-generated contradict each other: pick one")
+        if not self.persist_fetched and not (self.delete_consumed and not self.cache_generated):
+            raise ValueError(
+                "persist_fetched=false reads each fetched sample once, so it needs --delete-consumed "
+                "(and not --cache-generated): later epochs would have nothing to read"
+            )
         if self.split not in ("train", "validation"):
             raise ValueError(f"split must be 'train' or 'validation', got {self.split!r}")
         if self.cache_generated and not self.store:

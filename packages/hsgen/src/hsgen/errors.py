@@ -1,0 +1,46 @@
+"""Errors of fetching one prompt's hidden states (raised by :mod:`hsgen.client`)."""
+
+from __future__ import annotations
+
+import os
+
+
+class FetchError(Exception):
+    """A prompt whose hidden states could not be fetched.
+
+    Attributes:
+        reason: short machine-readable kind (``http_400``, ``timeout``, ``missing_file``, ...).
+        transient: whether another attempt may succeed.
+        endpoint: the server involved ("" if none).
+        attempts: requests made for this prompt so far.
+    """
+
+    def __init__(self, reason: str, message: str, *, transient: bool, endpoint: str = "", attempts: int = 0):
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+        self.message = message
+        self.transient = transient
+        self.endpoint = endpoint
+        self.attempts = attempts
+
+
+class FatalError(FetchError):
+    """A failure no other prompt can avoid either (bad API key, wrong flag, every server down)."""
+
+    def __init__(self, reason: str, message: str, endpoint: str = ""):
+        super().__init__(reason, message, transient=False, endpoint=endpoint)
+
+
+def describe_transport(e: BaseException, timeout_s: float) -> str:
+    """A transport error in a few words: ``connection refused``, ``no answer within 10 s``, ..."""
+    if isinstance(e, TimeoutError):
+        return f"no answer within {timeout_s:g} s"
+    for err in (getattr(e, "os_error", None), e):
+        if isinstance(err, OSError) and err.errno:
+            return os.strerror(err.errno).lower()
+        if isinstance(err, OSError) and err.strerror:
+            return err.strerror.lower()
+    return f"{type(e).__name__}: {e}"
+
+
+__all__ = ["FatalError", "FetchError", "describe_transport"]

@@ -1,0 +1,237 @@
+"""The file step: wait for a server's hidden-state file, map it, validate it, remove it.
+
+vLLM writes ``<shared dir>/cmpl-<id>-<i>-<hex>.safetensors`` (``docs/serve.md``): before the
+response (0.18-0.21), from a writer pool under ``<file>.lock`` (0.22-0.23) or only after the
+response (0.24+). :class:`HiddenFileReader` waits for the lock to be released or the file to
+appear, maps the file, checks keys, shapes, dtypes, token ids and finite values, and removes the
+file and its lock. Every file operation goes through :class:`~hsgen.shared_dir.SharedDir`: no
+link is followed, no open can block, only regular files are read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import mmap
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from hsgen import protocol
+from hsgen.errors import FetchError
+from hsgen.render import RenderedPrompt
+from hsgen.shared_dir import SharedDir, UnsafePath
+
+STORAGE_DTYPES = {"bfloat16": np.uint16, "float16": np.float16, "float32": np.float32}
+"""Logical dtype -> numpy dtype the states are kept in (bf16 as raw uint16 bits, like the store)."""
+
+_EXPONENT_MASKS = {"bfloat16": 0x7F80, "float16": 0x7C00}
+
+
+def all_finite(a: np.ndarray, dtype: str, chunk: int = 1 << 20) -> bool:
+    """Whether every value of ``a`` (storage dtype) is finite; chunked to bound temporaries."""
+    flat = a.reshape(-1)
+    mask = _EXPONENT_MASKS.get(dtype)
+    if mask is None:
+        return all(np.isfinite(flat[i : i + chunk]).all() for i in range(0, flat.size, chunk))
+    bits = flat.view(np.uint16)
+    buf = np.empty(min(chunk, bits.size), dtype=np.uint16)
+    for i in range(0, bits.size, chunk):
+        part = bits[i : i + chunk]
+        out = buf[: part.size]
+        np.bitwise_and(part, mask, out=out)
+        if out.size and out.max() == mask:
+            return False
+    return True
+
+
+class NotReady(Exception):
+    """The file is missing or shorter than its header says (a writer may still be busy)."""
+
+
+def read_hidden_states_fd(fd: int) -> tuple[np.ndarray, np.ndarray, str]:
+    """Map an open vLLM hidden-states safetensors file: ``(hidden_states, token_ids, dtype)``.
+
+    The arrays are read-only views of a private mapping, so no bytes are copied in user space;
+    ``fd`` may be closed afterwards.
+
+    Raises:
+        NotReady: the file is truncated.
+        protocol.ProtocolError: keys, dtypes or shapes are wrong.
+    """
+    size = os.fstat(fd).st_size
+    if size < 8:
+        raise NotReady(f"file has {size} bytes")
+    with os.fdopen(os.dup(fd), "rb", buffering=0) as f:
+        try:
+            tensors = protocol.read_safetensors_header(f, size)
+        except protocol.ProtocolError as e:
+            if "truncated" in str(e) or "shorter" in str(e):
+                raise NotReady(str(e)) from None
+            raise
+    for key in (protocol.HIDDEN_STATES_KEY, protocol.TOKEN_IDS_KEY):
+        if key not in tensors:
+            raise protocol.ProtocolError(f"file has no {key!r} tensor (has {sorted(tensors)})")
+    hs, ti = tensors[protocol.HIDDEN_STATES_KEY], tensors[protocol.TOKEN_IDS_KEY]
+    if hs.dtype not in STORAGE_DTYPES:
+        raise protocol.ProtocolError(f"hidden_states dtype {hs.dtype} is not bfloat16, float16 or float32")
+    if ti.dtype != "int64":
+        raise protocol.ProtocolError(f"token_ids dtype {ti.dtype} is not int64")
+    if len(hs.shape) != 3 or len(ti.shape) != 1 or hs.shape[0] != ti.shape[0]:
+        raise protocol.ProtocolError(
+            f"shapes hidden_states {list(hs.shape)} / token_ids {list(ti.shape)} are not [T, layers, hidden] / [T]"
+        )
+    mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0), prot=mmap.PROT_READ)
+    storage = np.dtype(STORAGE_DTYPES[hs.dtype])
+    hidden = np.frombuffer(mm, dtype=storage, count=hs.nbytes // storage.itemsize, offset=hs.start)
+    tokens = np.frombuffer(mm, dtype=np.int64, count=ti.shape[0], offset=ti.start)
+    return hidden.reshape(hs.shape), tokens, hs.dtype
+
+
+def read_hidden_states_file(path: str) -> tuple[np.ndarray, np.ndarray, str]:
+    """:func:`read_hidden_states_fd` of ``path`` (not followed if a symlink; regular files only).
+
+    Raises:
+        NotReady: the file is missing or truncated.
+        protocol.ProtocolError: keys, dtypes or shapes are wrong, or it is not a regular file.
+    """
+    shared = SharedDir(os.path.dirname(os.path.abspath(path)) or "/")
+    try:
+        fd = shared.open_regular([os.path.basename(path)])
+    except UnsafePath as e:
+        raise protocol.ProtocolError(str(e)) from None
+    finally:
+        shared.close()
+    if fd is None:
+        raise NotReady("file does not exist")
+    try:
+        return read_hidden_states_fd(fd)
+    finally:
+        os.close(fd)
+
+
+@dataclass(frozen=True)
+class FileWait:
+    """How patient the file step is (``ClientConfig`` fields of the same names)."""
+
+    file_wait_s: float
+    lock_timeout_s: float
+    settle_s: float
+    check_finite: bool
+    include_output_tokens: bool
+
+
+class HiddenFileReader:
+    """Waits for, reads, validates and removes the server's files in one shared directory.
+
+    Args:
+        shared: the shared directory handle.
+        wait: timeouts and checks.
+        pool: executor that maps and validates files (off the event loop).
+    """
+
+    def __init__(self, shared: SharedDir, wait: FileWait, pool):
+        self.shared = shared
+        self.wait = wait
+        self.pool = pool
+
+    async def wait_and_read(
+        self, parts: list[str], prompt: RenderedPrompt, url: str
+    ) -> tuple[np.ndarray, np.ndarray, str]:
+        """The validated ``(hidden[:n], token_ids[:n], dtype)`` of the file ``parts`` for ``prompt``.
+
+        Raises:
+            FetchError: the file did not appear, stayed locked, is truncated or invalid.
+            UnsafePath: the file, its lock or a directory on the way is not what it must be.
+        """
+        cfg = self.wait
+        loop = asyncio.get_running_loop()
+        lock = self.shared.lock_parts(parts)
+        start = time.monotonic()
+        appear_deadline = start + cfg.file_wait_s
+        lock_deadline: float | None = None
+        settle_deadline: float | None = None
+        delay = 0.0005
+        path = self.shared.show(parts)
+        while True:
+            now = time.monotonic()
+            state = self.shared.lock_state(lock)
+            if state is False:  # a writer holds it
+                lock_deadline = lock_deadline or now + cfg.lock_timeout_s
+                settle_deadline = None
+                if now > lock_deadline:
+                    raise FetchError(
+                        "lock_timeout",
+                        f"{path}.lock still locked after {cfg.lock_timeout_s}s (writer stuck or stale lock)",
+                        transient=True,
+                        endpoint=url,
+                    )
+            else:
+                try:
+                    return await loop.run_in_executor(self.pool, self._read_validate, parts, prompt)
+                except NotReady as e:
+                    exists = self.shared.exists(parts)
+                    if state is True or exists:
+                        settle_deadline = settle_deadline or now + cfg.settle_s
+                        if now > settle_deadline:
+                            kind = "truncated_file" if exists else "missing_file"
+                            raise FetchError(
+                                kind, f"{path}: {e} after the writer finished", transient=True, endpoint=url
+                            ) from None
+                    elif now > appear_deadline:
+                        raise FetchError(
+                            "missing_file",
+                            f"{path}: neither the file nor its lock appeared within {cfg.file_wait_s}s",
+                            transient=True,
+                            endpoint=url,
+                        ) from None
+            await asyncio.sleep(delay)
+            delay = min(delay * 1.5, 0.02)
+
+    def _read_validate(self, parts: list[str], prompt: RenderedPrompt) -> tuple[np.ndarray, np.ndarray, str]:
+        path = self.shared.show(parts)
+        fd = self.shared.open_regular(parts)
+        if fd is None:
+            raise NotReady("file does not exist")
+        try:
+            hidden, tokens, dtype = read_hidden_states_fd(fd)
+        except protocol.ProtocolError as e:
+            raise FetchError("bad_file", f"{path}: {e}", transient=True) from None
+        finally:
+            os.close(fd)
+        n = len(prompt.token_ids)
+        t = tokens.shape[0]
+        if t < n or (t != n and not self.wait.include_output_tokens):
+            raise FetchError(
+                "token_mismatch", f"{path}: file has {t} tokens but {n} were sent", transient=False
+            )
+        sent = np.asarray(prompt.token_ids, dtype=np.int64)
+        if not np.array_equal(tokens[:n], sent):
+            bad = int(np.argmax(tokens[:n] != sent))
+            raise FetchError(
+                "token_mismatch",
+                f"{path}: token_ids differ from those sent at position {bad} "
+                f"({int(tokens[bad])} != {int(sent[bad])})",
+                transient=False,
+            )
+        hidden = hidden[:n]
+        if self.wait.check_finite and not all_finite(hidden, dtype):
+            raise FetchError("non_finite", f"{path}: hidden states contain NaN or Inf", transient=False)
+        return hidden, tokens[:n], dtype
+
+    def remove(self, parts: list[str]) -> None:
+        """Remove the file and its lock (relative to their directory; missing is fine)."""
+        self.shared.remove(parts)
+        self.shared.remove(self.shared.lock_parts(parts))
+
+
+__all__ = [
+    "STORAGE_DTYPES",
+    "FileWait",
+    "HiddenFileReader",
+    "NotReady",
+    "all_finite",
+    "read_hidden_states_fd",
+    "read_hidden_states_file",
+]

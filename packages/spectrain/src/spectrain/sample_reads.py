@@ -1,0 +1,215 @@
+"""How one sample's bytes reach its slot of a packed sequence.
+
+A source's ``locate(sample_id)`` returns a :class:`SampleRead`: the sample's length and a way to
+read its rows into buffers the loader hands it. The loader gives it the slot of the packed
+(pinned) sequence itself when the sample's rows are the slot's rows (all stored layers, in
+order, same dtype, not truncated), so the bytes land once; otherwise a staging copy selects
+layers and rows. Reads check what they read (a store's checksum, finite values) piece by piece
+while the bytes are in cache, and raise :class:`SampleRefused` for a sample that fails: the
+loader turns its slot into padding and trains on the rest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+import torch
+
+from spectrain.batch import TORCH_DTYPES, numpy_view
+
+if TYPE_CHECKING:
+    from hsgen.store import HiddenStateStore
+
+STORAGE = {"bfloat16": np.dtype(np.uint16), "float16": np.dtype(np.float16), "float32": np.dtype(np.float32)}
+"""Logical dtype -> numpy dtype the bytes are handled as (bf16 as raw uint16 bits)."""
+
+PIECE_BYTES = 1 << 20
+"""Bytes read and checked at a time: small enough to stay in a core's cache between the two."""
+
+
+class SampleRefused(Exception):
+    """A sample whose bytes failed a check (checksum, non-finite values): skipped, not trained."""
+
+
+class SampleRead(Protocol):
+    """One located sample, ready to be read (see the module docstring)."""
+
+    sample_id: str
+    length: int
+    """Stored tokens."""
+    dtype: str
+    """Logical dtype of the hidden states."""
+    row_shape: tuple[int, int]
+    """(stored layers, hidden size)."""
+
+    def read_into(self, hidden: np.ndarray, token_ids: np.ndarray, loss_mask: np.ndarray) -> None:
+        """Fill ``hidden`` ``[length, L, H]`` (storage dtype), ``token_ids`` int64, ``loss_mask`` uint8.
+
+        Raises:
+            SampleRefused: the bytes failed their check (the message names where they came from).
+        """
+        ...
+
+
+@dataclass
+class ArrayRead:
+    """A sample already in memory: a :class:`hsgen.store.Sample` from a source's ``get``, a
+    worker's tensors, or a fetched sample as the client mapped the server's file.
+
+    With ``check_finite`` the values are checked piece by piece as they are copied (a fetched
+    sample whose client skipped that pass); ``origin`` names where they came from in the refusal.
+    """
+
+    sample_id: str
+    hidden: np.ndarray  # [T, L, H] storage dtype (T >= length)
+    token_ids: np.ndarray
+    loss_mask: np.ndarray | None
+    dtype: str
+    check_finite: bool = False
+    origin: str = ""
+
+    @classmethod
+    def of(cls, sample, **kw) -> ArrayRead:
+        """From anything with ``sample_id``, ``hidden_states``, ``token_ids``, ``loss_mask``, ``dtype``."""
+        return cls(
+            sample.sample_id, sample.hidden_states, sample.token_ids, sample.loss_mask, sample.dtype, **kw
+        )
+
+    @property
+    def length(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def row_shape(self) -> tuple[int, int]:
+        return tuple(self.hidden.shape[1:])  # type: ignore[return-value]
+
+    def read_into(self, hidden: np.ndarray, token_ids: np.ndarray, loss_mask: np.ndarray) -> None:
+        if self.hidden.ndim != 3 or self.hidden.shape[0] < self.length:
+            raise ValueError(
+                f"sample {self.sample_id!r}: hidden states {tuple(self.hidden.shape)} do not match "
+                f"{self.length} tokens"
+            )
+        src = self.hidden[: self.length].reshape(-1).view(hidden.dtype)
+        dst = hidden.reshape(-1)
+        step = dst.size if not self.check_finite else max(1, PIECE_BYTES // dst.itemsize)
+        for lo in range(0, dst.size, step):
+            piece = dst[lo : lo + step]
+            np.copyto(piece, src[lo : lo + step])
+            if self.check_finite and not all_finite(piece, self.dtype):  # checked while in cache
+                raise SampleRefused(
+                    f"sample {self.sample_id!r} from {self.origin or 'memory'}: hidden states contain NaN or Inf"
+                )
+        np.copyto(token_ids, self.token_ids)
+        if self.loss_mask is None:
+            loss_mask[...] = 1
+        else:
+            np.copyto(loss_mask, np.asarray(self.loss_mask[: self.length]).astype(np.uint8, copy=False))
+
+
+@dataclass
+class StoreRead:
+    """A sample of a :class:`hsgen.store.HiddenStateStore`, read straight into the slot.
+
+    With ``verify`` the checksum of the manifest is checked as the bytes land
+    (:func:`verify_sample_read`).
+    """
+
+    store: HiddenStateStore
+    sample_id: str
+    length: int
+    verify: bool = True
+
+    @property
+    def dtype(self) -> str:
+        return self.store.header.dtype
+
+    @property
+    def row_shape(self) -> tuple[int, int]:
+        return (self.store.header.num_layers, self.store.header.hidden_size)
+
+    def read_into(self, hidden: np.ndarray, token_ids: np.ndarray, loss_mask: np.ndarray) -> None:
+        verify_sample_read(self.store, self.sample_id, hidden, token_ids, loss_mask, verify=self.verify)
+
+
+def verify_sample_read(store: HiddenStateStore, sample_id: str, hidden: np.ndarray, token_ids: np.ndarray,
+                       loss_mask: np.ndarray, *, verify: bool) -> None:  # fmt: skip
+    """Read a store sample into the buffers, its checksum checked piece by piece when ``verify``.
+
+    The one place the loader asks the store to check a sample (``HiddenStateStore.read_into``
+    with ``verify``, against the manifest's checksum; see ``docs/format.md``).
+
+    Raises:
+        SampleRefused: the checksum does not match, or the rows cannot be read (the message
+            names the store, the shard and the sample).
+    """
+    from hsgen.store import StoreError
+
+    try:
+        store.read_into(sample_id, hidden, token_ids, loss_mask, verify=verify)
+    except KeyError as e:  # deleted since it was located
+        raise SampleRefused(f"store {store.path}: {e.args[0] if e.args else e}") from e
+    except (StoreError, OSError, EOFError) as e:
+        raise SampleRefused(f"store {store.path}: {e}") from e
+
+
+# Bit patterns at or above which a value is inf or NaN: (as signed, as unsigned) integers of
+# the same width. Positive non-finite values are the largest signed ones, negative non-finite
+# values the largest unsigned ones, so two max reductions check a buffer with no temporary.
+_NONFINITE_FROM = {
+    "bfloat16": (np.int16, 0x7F80, np.uint16, 0xFF80),
+    "float16": (np.int16, 0x7C00, np.uint16, 0xFC00),
+    "float32": (np.int32, 0x7F800000, np.uint32, 0xFF800000),
+}
+
+
+def all_finite(a: np.ndarray, dtype: str) -> bool:
+    """Whether every value of ``a`` (hidden states in storage dtype, logical ``dtype``) is finite."""
+    if a.size == 0:
+        return True
+    signed, pos, unsigned, neg = _NONFINITE_FROM[dtype]
+    flat = a.reshape(-1)
+    return int(flat.view(signed).max()) < pos and int(flat.view(unsigned).max()) < neg
+
+
+def fill_slot(read: SampleRead, hidden: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
+              layers: Sequence[int] | None) -> None:  # fmt: skip
+    """Read ``read`` into one slot of a packed sequence: its first ``len(hidden)`` tokens.
+
+    ``hidden`` ``[n, n_sel, H]``, ``input_ids`` ``[n]`` int64 and ``loss_mask`` ``[n]`` bool are
+    views of the sequence's buffers. The rows land in them directly when they are the sample's
+    stored rows; otherwise a staging buffer takes the whole sample (its check covers every
+    stored byte) and the kept layers and tokens are copied from it.
+    """
+    n = int(hidden.shape[0])
+    L, H = read.row_shape
+    direct = (
+        n == read.length
+        and (layers is None or list(layers) == list(range(L)))
+        and hidden.dtype == TORCH_DTYPES[read.dtype]
+        and tuple(hidden.shape[1:]) == (L, H)
+        and hidden.is_contiguous()
+    )
+    mask = numpy_view(loss_mask, np.uint8)
+    if direct:
+        read.read_into(numpy_view(hidden, STORAGE[read.dtype]), numpy_view(input_ids, np.int64), mask)
+        np.minimum(mask, 1, out=mask)  # bool storage must hold 0 or 1
+        return
+    stage = np.empty((read.length, L, H), dtype=STORAGE[read.dtype])
+    ids = np.empty(read.length, dtype=np.int64)
+    m = np.empty(read.length, dtype=np.uint8)
+    read.read_into(stage, ids, m)
+    hs = torch.from_numpy(stage[:n])
+    if read.dtype == "bfloat16":
+        hs = hs.view(torch.bfloat16)
+    if layers is not None and list(layers) != list(range(L)):
+        hs = hs[:, list(layers)]
+    if tuple(hs.shape[1:]) != tuple(hidden.shape[1:]):
+        raise ValueError(
+            f"sample {read.sample_id!r}: hidden states {tuple(hs.shape)} differ from the batch's"
+        )
+    hidden.copy_(hs)
+    input_ids.copy_(torch.from_numpy(ids[:n]))
+    mask[...] = np.minimum(m[:n], 1)

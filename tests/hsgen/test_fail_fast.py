@@ -1,0 +1,112 @@
+"""Dead, silent or misconfigured servers end a run in seconds, with the cause on one line.
+
+Issue 13, points 6 and 7.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+from fake_vllm import FakeConfig, FakeVLLM
+
+from hsgen.client import ClientConfig
+from hsgen.generate import EXIT_FAILURE, GenerateConfig, generate
+from hsgen.render import RenderedPrompt
+from hsgen.store import HiddenStateStore, StoreHeader
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tokens_file(path, n: int):
+    path.write_text(
+        "".join(json.dumps({"id": f"p{i}", "input_ids": [i + 1, i + 2, 3]}) + "\n" for i in range(n))
+    )
+    return path
+
+
+def run_cli(*args, timeout=60, env=None):
+    t0 = time.monotonic()
+    r = subprocess.run(
+        [sys.executable, "-m", "hsgen.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+    return r, time.monotonic() - t0
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.strip()]
+
+
+def test_nothing_listening_fails_in_seconds_naming_url_and_cause(tmp_path):
+    url = f"http://127.0.0.1:{free_port()}"
+    r, took = run_cli(
+        "generate", tokens_file(tmp_path / "d.jsonl", 5), "--store", tmp_path / "st", "--endpoint", url,
+        "--layer-ids", "1,2,4", "--shared-dir", tmp_path, "--no-progress",
+    )  # fmt: skip
+    assert r.returncode == EXIT_FAILURE
+    assert took < 30
+    lines = error_lines(r.stderr)
+    assert len(lines) == 1, r.stderr
+    assert url in lines[0] and "refused" in lines[0]
+    assert "Traceback" not in r.stderr
+    assert json.loads(r.stdout)["fatal"]
+
+
+async def test_every_server_down_for_max_down_ends_the_run(tmp_path):
+    shared = tmp_path / "shm"
+    store = HiddenStateStore.create(tmp_path / "st", StoreHeader("fake-model", (1, 2, 4), 8, "float32"))
+    fake = FakeVLLM(FakeConfig(str(shared), latency_s=0.01))
+    url = await fake.__aenter__()
+    served = 0
+
+    async def prompts():
+        nonlocal served
+        for i in range(1000):
+            if i == 10:
+                await fake.__aexit__(None, None, None)  # the server dies mid-run and stays down
+            served += 1
+            yield RenderedPrompt(f"s{i}", [i + 1, 2, 3], [1, 1, 1])
+
+    client = ClientConfig(
+        endpoints=[url], shared_dir=str(shared), max_down_s=1.5, backoff_s=0.05, backoff_max_s=0.2,
+        breaker_cooldown_s=0.2, request_timeout_s=5, file_wait_s=1,
+    )  # fmt: skip
+    cfg = GenerateConfig(client=client, shard_bytes=1024, max_consecutive_failures=0)
+    t0 = time.monotonic()
+    summary = await asyncio.wait_for(generate(cfg, prompts(), store, progress=False), 60)
+    assert time.monotonic() - t0 < 20
+    assert summary.exit_code == EXIT_FAILURE
+    assert "no server has answered" in summary.fatal and "--max-down" in summary.fatal
+    assert summary.stored >= 1 and served < 1000
+
+
+def test_file_outside_shared_dir_stops_at_the_first_with_the_fix(tmp_path):
+    shared, outside = tmp_path / "shm", tmp_path / "elsewhere"
+    n = 20
+    fake = FakeVLLM(FakeConfig(str(shared), faults=["outside"] * n, outside_dir=str(outside)))
+    with fake.in_thread() as url:
+        r, took = run_cli(
+            "generate", tokens_file(tmp_path / "d.jsonl", n), "--store", tmp_path / "st", "--endpoint", url,
+            "--layer-ids", "1,2,4", "--shared-dir", shared, "--no-progress", "--concurrency", "1",
+        )  # fmt: skip
+    assert r.returncode == EXIT_FAILURE
+    lines = error_lines(r.stderr)
+    assert len(lines) == 1, r.stderr
+    assert "--shared-dir" in lines[0] and "outside" in lines[0]
+    summary = json.loads(r.stdout)
+    assert summary["failed"] == 1, "stopped at the first refused file"
+    assert fake.requests == 1
+    assert os.listdir(outside) == [], "the refused file (named after our request) is removed"

@@ -1,0 +1,78 @@
+"""Never train on what is not intact (issue 13, point 4).
+
+A sample whose bytes no longer match its checksum is refused with a message naming it; a NaN
+loss never reaches the optimizer nor an export: the step is skipped with a warning and counted,
+and too many in a row stop the run.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from _train_util import small_config
+from safetensors.torch import load_file
+
+from hsgen.store import HiddenStateStore
+from spectrain.train import train
+
+
+def _copy_with_nan(src, dst, nan_ids) -> HiddenStateStore:
+    """A copy of store ``src`` whose samples ``nan_ids`` hold NaN (with valid checksums)."""
+    old = HiddenStateStore.open(src)
+    new = HiddenStateStore.create(dst, old.header)
+    with new.writer("copy") as w:
+        for sid in old.sample_ids():
+            s = old.read(sid)
+            hidden = s.hidden_states.copy()
+            if sid in nan_ids:
+                hidden[:] = 0x7FC0  # bfloat16 NaN
+            w.add(sid, hidden, s.token_ids, s.loss_mask)
+    return new
+
+
+def _finite_export(ckpt) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in load_file(str(ckpt / "model.safetensors")).values())
+
+
+def test_a_flipped_byte_is_skipped_naming_the_sample(tiny_store, tiny_model_dir, tmp_path, caplog):
+    """The loader refuses the damaged sample (its slots become padding), names it, counts it."""
+    store = tmp_path / "store"
+    shutil.copytree(tiny_store, store)
+    st = HiddenStateStore.open(store)
+    victim = st.sample_ids()[3]
+    rec = st.record(victim)
+    data = store / rec.shard / "hidden_states" / "c" / "0" / "0" / "0"
+    row = st.header.row_bytes
+    raw = bytearray(data.read_bytes())
+    raw[rec.offset * row : rec.offset * row + 2] = np.array([0x7FC0], dtype="<u2").tobytes()  # one NaN
+    data.write_bytes(bytes(raw))
+    summary = train(small_config(store, tiny_model_dir, tmp_path / "run", val_fraction=0.0))
+    assert summary["samples_refused"] == 1
+    assert summary["loss"] is not None and np.isfinite(summary["loss"])
+    assert repr(victim) in caplog.text and "checksum" in caplog.text
+    assert _finite_export(tmp_path / "run" / f"checkpoint-{summary['step']:08d}")
+
+
+def test_nan_samples_are_skipped_counted_and_never_exported(tiny_store, tiny_model_dir, tmp_path, caplog):
+    ids = HiddenStateStore.open(tiny_store).sample_ids()
+    store = _copy_with_nan(tiny_store, tmp_path / "nan", set(ids[::12]))
+    summary = train(small_config(store.path, tiny_model_dir, tmp_path / "run"))
+    assert summary["nonfinite_steps_skipped"] >= 1 and summary["step"] >= 1
+    assert summary["loss"] is not None and np.isfinite(summary["loss"])
+    assert "not finite, the step is skipped" in caplog.text
+    assert _finite_export(tmp_path / "run" / f"checkpoint-{summary['step']:08d}")
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["nonfinite_steps_skipped"] == summary["nonfinite_steps_skipped"]
+
+
+def test_nan_everywhere_stops_after_the_limit_without_saving(tiny_store, tiny_model_dir, tmp_path):
+    ids = HiddenStateStore.open(tiny_store).sample_ids()
+    store = _copy_with_nan(tiny_store, tmp_path / "nan", set(ids))
+    with pytest.raises(ValueError, match="3 steps in a row") as ei:
+        train(small_config(store.path, tiny_model_dir, tmp_path / "run", max_nonfinite_steps=3))
+    assert type(ei.value).__name__ == "NonFiniteTraining"
+    assert not list((tmp_path / "run").glob("checkpoint-*"))
