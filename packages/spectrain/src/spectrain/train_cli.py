@@ -250,7 +250,9 @@ def build_train_config(params: dict[str, Any]):
     type=click.Choice(["bidirectional", "causal"]),
     help="DFlash: attention inside the block (default bidirectional).",
 )
-@click.option("--sliding-window", type=int, help="Attention reaches at most N earlier positions (default all).")
+@click.option(
+    "--sliding-window", type=int, help="Attention reaches at most N earlier positions (default all)."
+)
 @click.option(
     "--ttt-step-loss-decay", type=float, help="Eagle3: loss weight decay per TTT step (default 0.8)."
 )
