@@ -625,11 +625,11 @@ def main(argv: list[str] | None = None) -> int:
         train_summaries = {}
         drafts = {}
         trained = [a for a in ("dflash", "eagle3") if args.only in (None, a)]
+        tag = args.tag or ("speculators" if args.recipe == "speculators" else "")
         for algorithm in trained:
             aux = dflash_aux if algorithm == "dflash" else eagle_aux
             recipe = SPECULATORS_RECIPE[algorithm] if args.recipe == "speculators" else ""
             extra = shlex.split(recipe) + shlex.split(args.train_args)
-            tag = args.tag or ("speculators" if args.recipe == "speculators" else "")
             t0 = time.perf_counter()
             drafts[algorithm], train_summaries[algorithm] = train_draft(
                 algorithm, size, target, store, aux, work, device, extra, tag
@@ -668,9 +668,9 @@ def main(argv: list[str] | None = None) -> int:
             },
             "timings_s": {k: round(v, 1) for k, v in timings.items()},
         }
-        (
-            work / f"results{'-' + args.tag if args.tag else ''}{'-' + args.only if args.only else ''}.json"
-        ).write_text(json.dumps(details, indent=2) + "\n")
+        (work / f"results{'-' + tag if tag else ''}{'-' + args.only if args.only else ''}.json").write_text(
+            json.dumps(details, indent=2) + "\n"
+        )
         print(json.dumps(details, indent=2), file=sys.stderr)
         for name, r in results.items():
             rates = " ".join(f"{x:.2f}" for x in r["acceptance_rate"])
