@@ -1,23 +1,42 @@
 #!/usr/bin/env python
-"""Training throughput of DFlash and Eagle3 drafts, and the loader's tokens/s from a store.
+"""Training step of DFlash and Eagle3 drafts: timed (tokens/s, peak memory) or planned (FLOPs, memory).
 
-GPU: the issue's reference shape (Qwen3-8B verifier: one packed sequence of 8192 tokens,
-hidden 4096, 32 heads, 8 KV heads, head dim 128, intermediate 12288, vocab 151936, 3 aux
-layers; DFlash 5 layers, block 16, 512 anchors, full-vocabulary loss; Eagle3 1 layer, 3 TTT
-steps, draft vocab 32000; AdamW, bf16). CPU: a small shape (``--quick`` shorter still).
-MFU = the model's counted matmul FLOPs per step / step time / ``--peak-tflops``.
+Reference shape (the issue's): Qwen3-8B verifier, one packed sequence of 8192 tokens, hidden
+4096, 32 heads, 8 KV heads, head dim 128, intermediate 12288, vocab 151936, 3 aux layers;
+DFlash 5 layers, block 16, 512 anchors, full-vocabulary loss; Eagle3 1 layer, 3 TTT steps, draft
+vocab 32000; fp32 master weights, bf16 autocast, AdamW, FlexAttention. The packed sequence holds
+documents of random lengths in [S/16, S/3) with the loss on the last 65% of each, as the
+peer's benchmark (``--layout equal --docs N`` for N equal documents, loss everywhere).
 
-Progress goes to stderr; the last stdout line is one JSON object with the keys ``device``,
-``dflash_tokens_per_s``, ``eagle3_tokens_per_s``, ``loader_tokens_per_s``, ``dflash_mfu``,
-``eagle3_mfu`` (the MFU values are null on CPU), and ``loader_gbps`` / ``loader_ratio`` from
-``scripts/bench_loader.py`` (store -> packed sequence against a raw ``preadv`` of the same bytes).
+Timed (default): forward, backward, clipping, optimizer step on a batch already on the device;
+on a GPU at the reference shape (AdamW, and the default optimizer of ``spectrain train`` too
+when it differs), on CPU at a small shape. Last stdout line: JSON with ``device``,
+``dflash_tokens_per_s``, ``eagle3_tokens_per_s``, ``dflash_peak_gib``, ``eagle3_peak_gib``
+(``torch.cuda.max_memory_allocated``; null on CPU), ``loader_tokens_per_s``, ``dflash_mfu``,
+``eagle3_mfu``, and ``loader_gbps`` / ``loader_ratio`` from ``scripts/bench_loader.py`` (store ->
+packed sequence against a raw ``preadv`` of the same bytes, side by side).
+
+``--plan``: no GPU needed. Builds both drafts at the reference shape with the real model classes
+under FakeTensorMode and runs two whole steps through them (``spectrain.accounting``): FLOPs
+of forward + backward, peak memory (weights, gradients, AdamW state, activations, loss
+temporaries). Each variant the code offers is planned: ``as-is`` (the models unchanged), and
+where the models route their vocabulary loss through ``vocab_loss`` the eager and the chunked
+loss (``spectrain.models.vocab_loss``), and where Eagle3 has ``freeze_lm_head`` both heads.
+Last stdout line: JSON with ``dflash_tflop_per_step``, ``eagle3_tflop_per_step``,
+``dflash_est_peak_gib``, ``eagle3_est_peak_gib`` (the leanest variant, named in ``*_variant``),
+every variant, and the peer's figures.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import functools
+import gc
 import json
 import logging
+import random
 import sys
 import tempfile
 import time
@@ -30,6 +49,30 @@ log = logging.getLogger("bench_train")
 
 GPU_SHAPE = dict(seq=8192, hidden=4096, heads=32, kv=8, head_dim=128, inter=12288, vocab=151936)
 CPU_SHAPE = dict(seq=1024, hidden=256, heads=4, kv=2, head_dim=64, inter=768, vocab=8192)
+TINY_SHAPE = dict(seq=512, hidden=64, heads=4, kv=2, head_dim=16, inter=128, vocab=1024)
+AUX_LAYERS = (2, 18, 33)
+
+GPU_OPTS = {"dflash": dict(num_layers=5, block_size=16, max_anchors=512),
+            "eagle3": dict(ttt_steps=3, draft_vocab_size=32000)}  # fmt: skip
+CPU_OPTS = {"dflash": dict(num_layers=2, block_size=8, max_anchors=64),
+            "eagle3": dict(ttt_steps=3, draft_vocab_size=2048)}  # fmt: skip
+TINY_OPTS = {"dflash": dict(num_layers=2, block_size=8, max_anchors=32),
+             "eagle3": dict(ttt_steps=3, draft_vocab_size=256)}  # fmt: skip
+
+PEER = {
+    "source": "speculators 0.9.0 on an H200 (../shared/peer-bench/README.md), AdamW, sliding window 2048",
+    "dflash_tflop_per_step": 84.2,
+    "dflash_peak_gib": 36.8,
+    "dflash_tokens_per_s": 45847,
+    "eagle3_tflop_per_step": 49.9,  # 444 TFLOP/s x 112.4 ms, from the same table
+    "eagle3_peak_gib": 17.0,
+    "eagle3_tokens_per_s": 72848,
+}
+TARGETS = {"dflash_tflop_per_step": 84.0, "dflash_est_peak_gib": 30.0,
+           "eagle3_tflop_per_step": 55.0, "eagle3_est_peak_gib": 16.0}  # fmt: skip
+
+
+# --------------------------------------------------------------------------- inputs
 
 
 def synthetic_verifier(shape: dict, device: torch.device, dtype: torch.dtype):
@@ -43,59 +86,138 @@ def synthetic_verifier(shape: dict, device: torch.device, dtype: torch.dtype):
         intermediate_size=shape["inter"], rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=40960,
         tie_word_embeddings=False,
     )  # fmt: skip
-    g = torch.Generator().manual_seed(0)
-    emb = (torch.randn(shape["vocab"], shape["hidden"], generator=g) * 0.02).to(dtype)
-    head = (torch.randn(shape["vocab"], shape["hidden"], generator=g) * 0.02).to(dtype)
-    return VerifierHeads(info, emb, torch.ones(shape["hidden"], dtype=dtype), head).to(device)
+    device = torch.device(device)
+    g = torch.Generator(device=device).manual_seed(
+        0
+    )  # drawn where they live: 2 x 622M normals at the reference
+    V, H = shape["vocab"], shape["hidden"]
+    emb = (torch.randn(V, H, generator=g, device=device) * 0.02).to(dtype)
+    head = (torch.randn(V, H, generator=g, device=device) * 0.02).to(dtype)
+    return VerifierHeads(info, emb, torch.ones(H, dtype=dtype, device=device), head)
 
 
-def synthetic_batch(shape: dict, n_aux: int, device: torch.device, docs: int):
-    """One packed sequence of ``docs`` equal documents, loss mask 1 everywhere."""
+def doc_lengths(seq: int, layout: str, docs: int, seed: int = 0) -> list[int]:
+    """Document lengths filling ``seq`` slots: ``peer`` (random in [seq/16, seq/3)) or ``equal``."""
+    if layout == "equal":
+        base = seq // docs
+        return [base] * (docs - 1) + [seq - base * (docs - 1)]
+    rng = random.Random(seed)
+    lo = max(16, seq // 16)
+    hi = max(lo + 1, seq // 3)
+    out: list[int] = []
+    while sum(out) < seq:
+        out.append(rng.randrange(lo, hi))
+    out[-1] -= sum(out) - seq
+    if out[-1] < 2 and len(out) > 1:
+        out[-2] += out.pop()
+    return out
+
+
+def synthetic_batch(shape: dict, n_aux: int, device, layout: str = "peer", docs: int = 1, seed: int = 1,
+                    hidden: int | None = None):  # fmt: skip
+    """One packed sequence: ``peer`` documents have the loss on their last 65%, ``equal`` ones everywhere."""
     from spectrain.data import Batch
 
     S = shape["seq"]
-    doc_len = S // docs
-    pos = torch.arange(S) % doc_len
-    doc = torch.arange(S) // doc_len
-    ends = (doc + 1) * doc_len
-    g = torch.Generator().manual_seed(1)
-    hs = torch.randn(S, n_aux + 1, shape["hidden"], generator=g).to(torch.bfloat16)
+    lengths = doc_lengths(S, layout, docs, seed)
+    pos = torch.cat([torch.arange(n) for n in lengths])
+    doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+    starts = torch.tensor([0, *np.cumsum(lengths)[:-1].tolist()])
+    ends = (starts + torch.tensor(lengths))[doc]
+    loss = (
+        torch.ones(S, dtype=torch.bool) if layout == "equal" else pos >= (0.35 * (ends - starts[doc])).long()
+    )
+    g = torch.Generator().manual_seed(seed)
+    hs = torch.randn(S, n_aux + 1, hidden or shape["hidden"], generator=g).to(torch.bfloat16)
     ids = torch.randint(0, shape["vocab"], (S,), generator=g)
-    return Batch(ids, torch.ones(S, dtype=torch.bool), pos, doc, ends, hs, num_tokens=S).to(device)
+    return Batch(ids, loss, pos, doc, ends, hs, num_tokens=S).to(device)
 
 
-def bench_model(name: str, opts: dict, shape: dict, device, steps: int, warmup: int, docs: int) -> dict:
+def build(name: str, opts: dict, shape: dict, device, heads_dtype):
     from spectrain.models import build_draft, get_config_class
 
-    amp = device.type == "cuda"
-    heads = synthetic_verifier(shape, device, torch.bfloat16 if amp else torch.float32)
-    cfg = get_config_class(name)(aux_layer_ids=(2, 18, 33), **opts)
-    model = build_draft(cfg, heads)
+    heads = synthetic_verifier(shape, device, heads_dtype)
+    with torch.device(device):  # parameters initialised on the device (1B of them for DFlash)
+        model = build_draft(get_config_class(name)(aux_layer_ids=AUX_LAYERS, **opts), heads)
     if name == "eagle3":
         model.prepare(torch.arange(shape["vocab"], dtype=torch.float64))
-    model.to(device).train()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=amp)
-    batch = synthetic_batch(shape, 3, device, docs)
+    if next(model.parameters()).device != torch.device(device):
+        model.to(device)  # (fake tensors cannot be swapped in place, so only when it moves)
+    return model.train(), heads
+
+
+def default_optimizer() -> str:
+    """The optimizer ``spectrain train`` uses by default (AdamW until the recipe says otherwise)."""
+    from spectrain.train import TrainConfig
+
+    return next((f.default for f in dataclasses.fields(TrainConfig) if f.name == "optimizer"), "adamw")
+
+
+def make_optimizer(model, kind: str, fused: bool):
+    params = [p for p in model.parameters() if p.requires_grad]
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=1e-4, fused=fused)
+    from spectrain.optim import OptimConfig, build_optimizers
+
+    return build_optimizers(model, OptimConfig(optimizer=kind), lambda s: 1.0, fused=fused)
+
+
+def train_step(model, opt, batch, amp_device: str | None, seed: int):
+    with torch.autocast(amp_device or "cpu", dtype=torch.bfloat16, enabled=amp_device is not None):
+        loss, _ = model(batch, torch.Generator().manual_seed(seed))
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+# --------------------------------------------------------------------------- timed
+
+
+def bench_model(name, opts, shape, device, steps, warmup, layout, docs, optimizer, compile_layers,
+                sync_census=False) -> dict:  # fmt: skip
+    gpu = device.type == "cuda"
+    model, _ = build(name, opts, shape, device, torch.bfloat16 if gpu else torch.float32)
+    if compile_layers:
+        for layer in model.layers:
+            layer.compile()
+    opt = make_optimizer(model, optimizer, fused=gpu)
+    batch = synthetic_batch(shape, 3, device, layout, docs)
     times, flops = [], 0.0
+    if gpu:
+        torch.cuda.reset_peak_memory_stats(device)
     for i in range(warmup + steps):
-        if amp:
+        if gpu:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
-            loss, _ = model(batch, torch.Generator().manual_seed(i))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if amp:
+        loss = train_step(model, opt, batch, "cuda" if gpu else None, i)
+        if gpu:
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         if i >= warmup:
             times.append(dt)
-            flops = model.last_flops
-        log.info("%s step %d: %.1f ms loss %.3f", name, i, dt * 1e3, float(loss))
+            flops = getattr(model, "last_flops", 0.0)
+        log.info("%s/%s step %d: %.1f ms loss %.3f", name, optimizer, i, dt * 1e3, float(loss.detach()))
     step = float(np.median(times))
-    return {"step_s": step, "tokens_per_s": shape["seq"] / step, "flops": flops}
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if gpu else None
+    syncs = None
+    if sync_census:
+        from spectrain.sync_census import census
+
+        syncs = census(functools.partial(train_step, model, opt, batch, "cuda" if gpu else None, 0), device)
+        log.info("%s: host-device syncs in one step: %s", name, json.dumps(syncs, indent=1))
+    del model, opt, batch
+    gc.collect()
+    if gpu:
+        torch.cuda.empty_cache()
+    return {
+        "step_s": step,
+        "tokens_per_s": shape["seq"] / step,
+        "flops": flops,
+        "peak_gib": peak,
+        "syncs": syncs,
+    }
 
 
 def bench_loader(hidden: int, samples: int, tokens: int, seq: int, workers: int) -> float:
@@ -125,54 +247,189 @@ def bench_loader(hidden: int, samples: int, tokens: int, seq: int, workers: int)
         return n / dt
 
 
+def run_timed(args) -> dict:
+    if args.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(args.device)
+    gpu = device.type == "cuda"
+    shape = GPU_SHAPE if gpu else (TINY_SHAPE if args.tiny else CPU_SHAPE)
+    opts = GPU_OPTS if gpu else (TINY_OPTS if args.tiny else CPU_OPTS)
+    steps = args.steps or (3 if args.quick or args.tiny else 10)
+    warmup = 3 if gpu else 1
+    optimizers = ["adamw"]
+    default = default_optimizer()
+    if default != "adamw" and not args.adamw_only:
+        optimizers.append(default)
+    peak = args.peak_tflops * 1e12
+    result: dict = {"device": torch.cuda.get_device_name(device) if gpu else "cpu", "shape": shape,
+                    "layout": args.layout, "optimizer": "adamw"}  # fmt: skip
+    for name in ("dflash", "eagle3"):
+        for kind in optimizers:
+            r = bench_model(name, opts[name], shape, device, steps, warmup, args.layout, args.docs, kind,
+                            args.compile, args.sync_census and kind == "adamw")  # fmt: skip
+            suffix = "" if kind == "adamw" else f"_{kind}"
+            result[f"{name}_tokens_per_s{suffix}"] = round(r["tokens_per_s"], 1)
+            result[f"{name}_step_ms{suffix}"] = round(r["step_s"] * 1e3, 2)
+            result[f"{name}_peak_gib{suffix}"] = None if r["peak_gib"] is None else round(r["peak_gib"], 2)
+            if r["syncs"] is not None:
+                result[f"{name}_syncs"] = r["syncs"]
+            if kind == "adamw":
+                result[f"{name}_mfu"] = round(r["flops"] / r["step_s"] / peak, 4) if gpu else None
+    if args.no_loader:
+        result["loader_tokens_per_s"] = None
+    else:
+        samples, tokens = (16, 1024) if (args.quick or args.tiny) else (48, 1024)
+        hidden = 256 if args.tiny else 4096
+        result["loader_tokens_per_s"] = round(
+            bench_loader(hidden, samples, tokens, 8192, args.loader_workers), 1
+        )
+        from bench_loader import bench_loader as bench_loader_limit  # scripts/bench_loader.py
+
+        limit = bench_loader_limit(quick=args.quick or args.tiny)
+        result["loader_gbps"] = limit["loader_gbps"]
+        result["loader_ratio"] = limit["loader_ratio"]
+    return result
+
+
+# --------------------------------------------------------------------------- plan
+
+
+@contextlib.contextmanager
+def patched_loss(kind: str | None):
+    """Route the models' ``vocab_loss`` through the eager reference or the chunked loss (None: as-is)."""
+    from spectrain.models import common, dflash, eagle3
+    from spectrain.models import vocab_loss as chunked
+
+    modules = [m for m in (dflash, eagle3) if hasattr(m, "vocab_loss")]
+    saved = [m.vocab_loss for m in modules]
+    if kind is not None:
+        fn = chunked.vocab_loss if kind == "chunked" else common.vocab_loss
+        for m in modules:
+            m.vocab_loss = fn
+    try:
+        yield
+    finally:
+        for m, f in zip(modules, saved, strict=True):
+            m.vocab_loss = f
+
+
+def plan_variants(name: str) -> list[dict]:
+    """The configurations the code offers for ``name``: ``as-is`` first, then the switches that exist."""
+    from spectrain.models import dflash, eagle3, get_config_class
+
+    module = dflash if name == "dflash" else eagle3
+    losses = ["eager", "chunked"] if hasattr(module, "vocab_loss") else [None]
+    fields = {f.name: f.default for f in dataclasses.fields(get_config_class(name))}
+    heads = [False, True] if name == "eagle3" and "freeze_lm_head" in fields else [None]
+    out = [{"label": "as-is", "loss": None, "freeze_lm_head": None}]
+    for loss in losses:
+        for frozen in heads:
+            if loss is None and frozen is None:
+                continue
+            parts = ([f"loss={loss}"] if loss else []) + ([f"head={'frozen' if frozen else 'trainable'}"]
+                                                           if frozen is not None else [])  # fmt: skip
+            out.append({"label": ",".join(parts), "loss": loss, "freeze_lm_head": frozen})
+    return out
+
+
+def mask_density(name: str, opts: dict, shape: dict, layout: str) -> dict:
+    """Allowed-pair fraction of every attention mask, from a tiny-width real copy of the draft
+    on the same batch layout (the masks depend on positions, documents and anchors only)."""
+    from spectrain.accounting import measure_mask_density
+
+    narrow = dict(shape, hidden=64, heads=4, kv=2, head_dim=16, inter=64, vocab=min(shape["vocab"], 4096))
+    small = dict(opts, attention_backend="flex")
+    if "draft_vocab_size" in small:
+        small["draft_vocab_size"] = min(small["draft_vocab_size"], narrow["vocab"])
+    model, _ = build(name, small, narrow, torch.device("cpu"), torch.float32)
+    batch = synthetic_batch(narrow, 3, "cpu", layout, 1)
+    return measure_mask_density(lambda: model(batch, torch.Generator().manual_seed(0)))
+
+
+def plan_one(name: str, opts: dict, shape: dict, layout: str, variant: dict, density: dict) -> dict:
+    """Plan one configuration of one draft (two steps under fake tensors)."""
+    from spectrain.accounting import account_steps, fake_tensors
+
+    cfg = dict(opts, attention_backend="flex")
+    if variant["freeze_lm_head"] is not None:
+        cfg["freeze_lm_head"] = variant["freeze_lm_head"]
+    with patched_loss(variant["loss"]), fake_tensors():
+        model, heads = build(name, cfg, shape, torch.device("cpu"), torch.bfloat16)
+        opt = make_optimizer(model, "adamw", fused=True)
+        batch = synthetic_batch(shape, 3, "cpu", layout, 1)
+        seeds = iter(range(100))
+        acct = account_steps(
+            lambda: train_step(model, opt, batch, "cpu", next(seeds)),
+            [model, opt, batch.hidden_states, batch.input_ids, heads.lm_head, heads.embed_tokens],
+            density,
+        )
+    out = acct.summary()
+    out["params_trainable_m"] = round(sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e6, 1)
+    return out
+
+
+def run_plan(args) -> dict:
+    shape = TINY_SHAPE if args.tiny else GPU_SHAPE
+    opts = TINY_OPTS if args.tiny else GPU_OPTS
+    result: dict = {"shape": shape, "layout": args.layout, "precision": "fp32 master, bf16 autocast (CPU rules)",
+                    "optimizer": "adamw (fused)", "attention_flops": "pairs the mask allows (3x forward)"}  # fmt: skip
+    for name in ("dflash", "eagle3"):
+        t0 = time.perf_counter()
+        density = mask_density(name, opts[name], shape, args.layout)
+        variants = {}
+        for v in plan_variants(name):
+            variants[v["label"]] = plan_one(name, opts[name], shape, args.layout, v, density)
+            log.info("%s %s: %s", name, v["label"], variants[v["label"]])
+        best = min(variants, key=lambda k: (variants[k]["est_peak_gib"], variants[k]["tflop_per_step"]))
+        result[f"{name}_tflop_per_step"] = variants[best]["tflop_per_step"]
+        result[f"{name}_est_peak_gib"] = variants[best]["est_peak_gib"]
+        result[f"{name}_variant"] = best
+        result[f"{name}_variants"] = variants
+        log.info("%s planned in %.1f s", name, time.perf_counter() - t0)
+    result["peer"] = PEER
+    result["targets"] = TARGETS
+    result["within_targets"] = all(result[k] <= v for k, v in TARGETS.items()) if not args.tiny else None
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--plan", action="store_true", help="count FLOPs and memory at the reference shape (no GPU)"
+    )
+    ap.add_argument("--tiny", action="store_true", help="a tiny shape (tests; seconds on CPU)")
     ap.add_argument(
         "--quick", action="store_true", help="fewer steps, smaller loader store (~1 minute on CPU)"
     )
     ap.add_argument("--device", default="auto", help="auto | cuda | cpu")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per model")
-    ap.add_argument("--docs", type=int, default=1, help="documents per packed sequence")
+    ap.add_argument(
+        "--layout", choices=["peer", "equal"], default="peer", help="documents in the packed sequence"
+    )
+    ap.add_argument("--docs", type=int, default=1, help="documents per packed sequence (--layout equal)")
+    ap.add_argument(
+        "--compile", action="store_true", help="torch.compile the draft layers (as train --compile)"
+    )
+    ap.add_argument(
+        "--adamw-only", action="store_true", help="skip the default optimizer when it is not AdamW"
+    )
+    ap.add_argument(
+        "--sync-census",
+        action="store_true",
+        help="after timing, list the host-device syncs of one step (CUDA: sync debug mode)",
+    )
+    ap.add_argument("--no-loader", action="store_true", help="skip the loader measurement")
     ap.add_argument("--peak-tflops", type=float, default=800.0, help="bf16 matmul peak for MFU (H200: ~800)")
     ap.add_argument(
         "--loader-workers", type=int, default=0, help="0 = prefetch thread (the default of train)"
     )
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(message)s")
-    device = torch.device("cuda" if (args.device == "auto" and torch.cuda.is_available()) else
-                          ("cpu" if args.device == "auto" else args.device))  # fmt: skip
-    gpu = device.type == "cuda"
-    shape = GPU_SHAPE if gpu else CPU_SHAPE
-    steps = args.steps or (3 if args.quick else 10)
-    warmup = 3 if gpu else 1
-    if gpu:
-        dflash = dict(num_layers=5, block_size=16, max_anchors=512)
-        eagle = dict(ttt_steps=3, draft_vocab_size=32000)
-    else:
-        dflash = dict(num_layers=2, block_size=8, max_anchors=64)
-        eagle = dict(ttt_steps=3, draft_vocab_size=2048)
-    d = bench_model("dflash", dflash, shape, device, steps, warmup, args.docs)
-    e = bench_model("eagle3", eagle, shape, device, steps, warmup, args.docs)
-    loader_hidden = 4096
-    samples, tokens = (16, 1024) if args.quick else (48, 1024)
-    loader = bench_loader(loader_hidden, samples, tokens, 8192, args.loader_workers)
-    from bench_loader import bench_loader as bench_loader_limit  # scripts/bench_loader.py
-
-    limit = bench_loader_limit(quick=args.quick)
-    peak = args.peak_tflops * 1e12
-    result = {
-        "device": torch.cuda.get_device_name(device) if gpu else "cpu",
-        "dflash_tokens_per_s": round(d["tokens_per_s"], 1),
-        "eagle3_tokens_per_s": round(e["tokens_per_s"], 1),
-        "loader_tokens_per_s": round(loader, 1),
-        "loader_gbps": limit["loader_gbps"],
-        "loader_ratio": limit["loader_ratio"],
-        "dflash_mfu": round(d["flops"] / d["step_s"] / peak, 4) if gpu else None,
-        "eagle3_mfu": round(e["flops"] / e["step_s"] / peak, 4) if gpu else None,
-    }
-    log.info(
-        "shape %s; dflash %.1f ms/step, eagle3 %.1f ms/step", shape, d["step_s"] * 1e3, e["step_s"] * 1e3
-    )
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    result = run_plan(args) if args.plan else run_timed(args)
     print(json.dumps(result))
 
 

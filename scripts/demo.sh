@@ -26,18 +26,7 @@ hsgen serve --model tiny --layers "$LAYERS" --shared-storage-path "$SHARED" --po
 SERVER=$!
 cleanup() { kill "$SERVER" 2>/dev/null || true; wait "$SERVER" 2>/dev/null || true; rm -rf "$SHARED"; }
 trap cleanup EXIT
-python - "$PORT" "$SERVER" <<'PY'
-import sys, time, urllib.request, os
-port, pid = sys.argv[1], int(sys.argv[2])
-for _ in range(600):
-    try:
-        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
-        sys.exit(0)
-    except OSError:
-        os.kill(pid, 0)  # raises if the server died
-        time.sleep(0.2)
-sys.exit("server did not become healthy")
-PY
+python "$(dirname "$0")/wait_healthy.py" "$PORT" "$SERVER" 120
 
 echo "[demo] 2/4 hsgen generate: $SAMPLES sample chats -> $WORK/store" >&2
 head -n "$SAMPLES" "$CHATS" >"$WORK/train.jsonl"

@@ -35,3 +35,44 @@ def run_rank(rank: int, world: int, port: int, cfg_dict: dict, out_dir: str) -> 
     )
     trainer.close()
     dist.destroy_process_group()
+
+
+def metrics_rank(rank: int, world: int, port: int, algorithm: str, empty: str, out_dir: str) -> None:
+    """Rank 0 trains on a sequence with loss tokens; rank 1 on one without (``empty="no-loss"``)
+    or adds no metrics at all (``empty="nothing"``); both reduce with MetricSums."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                           timeout=timedelta(seconds=30))  # fmt: skip
+    from spectrain.data import Batch
+    from spectrain.models import build_draft, get_config_class
+    from spectrain.train import DistInfo, MetricSums
+    from spectrain.verifier import VerifierHeads, VerifierInfo
+
+    V, H, S = 64, 16, 48
+    info = VerifierInfo(path="t", name_or_path="t", architectures=("Qwen3ForCausalLM",), model_type="qwen3",
+                        hidden_size=H, vocab_size=V, num_hidden_layers=4, num_attention_heads=2,
+                        num_key_value_heads=1, head_dim=8, intermediate_size=32, rms_norm_eps=1e-6,
+                        rope_theta=1e4, max_position_embeddings=256, tie_word_embeddings=False)  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    heads = VerifierHeads(info, torch.randn(V, H, generator=g), torch.ones(H), torch.randn(V, H, generator=g))
+    opts = {"block_size": 4, "max_anchors": 8} if algorithm == "dflash" else {"draft_vocab_size": 32}
+    torch.manual_seed(0)
+    model = build_draft(get_config_class(algorithm)(aux_layer_ids=(1, 2, 3), **opts), heads)
+    pos = torch.arange(S)
+    loss_mask = torch.full((S,), rank == 0, dtype=torch.bool)
+    batch = Batch(torch.randint(0, V, (S,), generator=g), loss_mask, pos, torch.zeros(S, dtype=torch.long),
+                  torch.full((S,), S), torch.randn(S, 4, H, generator=g))  # fmt: skip
+    sums = MetricSums()
+    if rank == 0 or empty == "no-loss":
+        with torch.no_grad():
+            _, metrics = model(batch, torch.Generator().manual_seed(rank))
+        sums.add(metrics)
+    alone = sums.summary(DistInfo())
+    together = sums.summary(DistInfo(rank, world, rank))
+    Path(out_dir, f"metrics{rank}.json").write_text(json.dumps({"alone": alone, "together": together}))
+    dist.destroy_process_group()

@@ -225,3 +225,28 @@ def test_two_process_gloo(tiny_store, tiny_model_dir, tmp_path, strategy):
     st = _state(tmp_path / "run" / (tmp_path / "run" / "latest").read_text().strip())
     assert st["loop"]["world_size"] == 2 and len(st["loop"]["positions"]) == 2
     assert len(st["plans"]) == 2 and st["plans"][1] == r1["plan"]
+
+
+@pytest.mark.parametrize(("algorithm", "empty"), [("dflash", "no-loss"), ("eagle3", "no-loss"),
+                                                  ("dflash", "nothing")])  # fmt: skip
+def test_metric_reduction_with_a_rank_without_loss_tokens(tmp_path, algorithm, empty):
+    """A rank whose sequence has no loss tokens (so no DFlash anchors) reduces with the others:
+    no hang, and both ranks get the same summary, equal to rank 0's own."""
+    import torch.multiprocessing as mp
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _dist_worker import metrics_rank
+
+    ctx = mp.spawn(
+        metrics_rank, args=(2, _free_port(), algorithm, empty, str(tmp_path)), nprocs=2, join=False
+    )
+    deadline = time.monotonic() + 120
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail("metric reduction hung")
+    r0 = json.loads((tmp_path / "metrics0.json").read_text())
+    r1 = json.loads((tmp_path / "metrics1.json").read_text())
+    assert r0["together"] == r1["together"] == r0["alone"]
+    assert len(r0["alone"]["acc"]) == 3 and r0["alone"]["tau"] >= 1.0 and r0["alone"]["loss"] > 0

@@ -498,7 +498,12 @@ class MetricsLog:
 
 
 class MetricSums:
-    """Accumulates the metric sums models return; reduces across ranks."""
+    """Accumulates the metric sums models return (on the device, no sync); reduces across ranks.
+
+    Ranks may hold different keys (a rank whose sequences had no anchors or no loss tokens, or
+    one that added nothing): :meth:`summary` first agrees on the union of keys and their sizes,
+    so every rank enters the same all-reduce with the same vector, zeros for what it lacks.
+    """
 
     def __init__(self):
         self.sums: dict[str, torch.Tensor] = {}
@@ -508,19 +513,38 @@ class MetricSums:
             v = v.detach().double()
             self.sums[k] = self.sums[k] + v if k in self.sums else v.clone()
 
+    def _schema(self, info: DistInfo) -> dict[str, tuple[int, ...]]:
+        """Every rank's keys and shapes, merged (identical on all ranks)."""
+        union: dict[str, tuple[int, ...]] = {}
+        for rank, shapes in enumerate(_gather({k: tuple(v.shape) for k, v in self.sums.items()}, info)):
+            for k, shape in shapes.items():
+                if union.setdefault(k, shape) != shape:
+                    raise ValueError(
+                        f"metric {k!r} has shape {shape} on rank {rank} but {union[k]} on another"
+                    )
+        return dict(sorted(union.items()))
+
     def summary(self, info: DistInfo) -> dict[str, Any]:
-        if not self.sums:
-            return {}
-        keys = sorted(self.sums)
-        flat = torch.cat([self.sums[k].reshape(-1) for k in keys])
+        """Loss, per-position accuracy and tau over all ranks (a collective when distributed)."""
         if info.enabled:
-            flat = flat.to("cuda" if flat.is_cuda else "cpu")
+            shapes = self._schema(info)
+            device = _collective_device()
+        else:
+            shapes = {k: tuple(v.shape) for k, v in sorted(self.sums.items())}
+            device = next(iter(self.sums.values())).device if self.sums else torch.device("cpu")
+        if not shapes:
+            return {}
+        parts = [self.sums[k] if k in self.sums else torch.zeros(shape, dtype=torch.float64) for k, shape in
+                 shapes.items()]  # fmt: skip
+        flat = torch.cat([p.reshape(-1).to(device) for p in parts])
+        if info.enabled:
             dist.all_reduce(flat)
+        flat = flat.cpu()
         out, i = {}, 0
         vals = {}
-        for k in keys:
-            n = self.sums[k].numel()
-            vals[k] = flat[i : i + n].cpu()
+        for k, shape in shapes.items():
+            n = torch.Size(shape).numel()
+            vals[k] = flat[i : i + n].reshape(shape)
             i += n
         if "acc_correct" in vals:
             tot = vals["acc_total"].clamp_min(1)
@@ -530,6 +554,13 @@ class MetricSums:
         if "loss_sum" in vals:
             out["loss"] = float(vals["loss_sum"]) / max(1e-9, float(vals["weight_sum"]))
         return out
+
+
+def _collective_device() -> torch.device:
+    """Where a reduction runs: NCCL needs the current CUDA device, gloo the CPU."""
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 # --------------------------------------------------------------------------- the trainer

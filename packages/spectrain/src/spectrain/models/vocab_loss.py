@@ -1,0 +1,277 @@
+"""The vocabulary loss of both drafts, chunked over rows so ``[rows, vocabulary]`` never exists whole.
+
+:func:`vocab_loss` has the contract of ``spectrain.models.common.vocab_loss`` (the eager
+reference): draft rows ``[N, H]`` and head ``[V, H]``, the verifier's normed last-layer rows
+``[N, H]`` and its head rows over the same ``V`` tokens, a mode (``soft``: KL(verifier || draft);
+``hard``: cross-entropy on the verifier's argmax), and returns per-row losses ``[N]``, the
+draft's argmax ``[N]`` and the verifier's argmax ``[N]``.
+
+Rows are processed ``chunk_rows`` at a time by a custom autograd function. A row's loss depends
+on that row alone, so the gradient of row ``r`` is ``grad_output[r]`` times the gradient of
+``loss[r]``:
+
+- frozen head (the common case: DFlash's verifier rows, Eagle3 with a frozen ``lm_head``): the
+  forward pass computes the gradient w.r.t. the draft rows chunk by chunk and keeps only that
+  ``[N, H]`` tensor; backward scales it by ``grad_output``. Three ``N x H x V`` matmuls in all,
+  as many as the eager loss;
+- trainable head, when the logit gradients fit ``KEEP_BYTES`` (Eagle3's 32k draft vocabulary:
+  0.5 GB per TTT step): forward also keeps them, unscaled, in the matmul dtype; backward scales
+  them and forms the head gradient. Four matmuls, as eager; memory ``N x V`` in bf16;
+- trainable head otherwise: backward recomputes each chunk's logits (and, for ``soft``, the
+  verifier's) and accumulates the head gradient in fp32; two matmuls more than eager.
+
+Matmuls run in the autocast dtype when autocast is on (bf16 on the GPU), the softmax math in
+fp32. Peak extra memory is about three fp32 ``[chunk_rows, V]`` tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+MODES = ("soft", "hard")
+
+CHUNK_BYTES = 256 * 2**20
+"""Default size of one fp32 ``[chunk_rows, V]`` tensor (the chunk's peak is about three)."""
+
+KEEP_BYTES = 2**30
+"""A trainable head keeps its ``[N, V]`` logit gradients (matmul dtype) up to this size, else recomputes."""
+
+
+def default_chunk_rows(vocab: int, budget_bytes: int = CHUNK_BYTES) -> int:
+    """Rows per chunk so one fp32 ``[rows, vocab]`` tensor fits ``budget_bytes`` (a multiple of 64, >= 64)."""
+    return max(64, budget_bytes // (4 * max(1, vocab)) // 64 * 64)
+
+
+def vocab_loss(
+    hidden: torch.Tensor,
+    head_weight: torch.Tensor,
+    target_hidden: torch.Tensor,
+    target_head_weight: torch.Tensor,
+    mode: str,
+    *,
+    chunk_rows: int | None = None,
+    keep_logit_grads: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row loss between the draft's and the verifier's distributions over ``V`` tokens.
+
+    Args:
+        hidden: ``[N, H]`` the draft's final (normed) states; gradients flow to it.
+        head_weight: ``[V, H]`` the draft's output rows; gets a gradient when it requires one.
+        target_hidden: ``[N, H]`` the verifier's last-layer states after its final norm.
+        target_head_weight: ``[V, H]`` the verifier's LM-head rows of the same ``V`` tokens.
+        mode: ``soft`` (KL(verifier || draft)) or ``hard`` (cross-entropy on the verifier's argmax).
+        chunk_rows: rows per chunk (default :func:`default_chunk_rows` of ``V``).
+        keep_logit_grads: trainable head only: keep the ``[N, V]`` logit gradients from forward
+            (True) or recompute them in backward (False); None: keep when they fit ``KEEP_BYTES``.
+
+    Returns:
+        ``(loss [N] float32, draft argmax [N], verifier argmax [N])``; argmaxes index the ``V`` rows.
+    """
+    if mode not in MODES:
+        raise ValueError(f"unknown target_mode {mode!r} (soft | hard)")
+    if hidden.dim() != 2 or target_hidden.shape != hidden.shape:
+        raise ValueError(f"hidden {tuple(hidden.shape)} and target_hidden {tuple(target_hidden.shape)} "
+                         "must both be [N, H]")  # fmt: skip
+    if head_weight.dim() != 2 or head_weight.shape != target_head_weight.shape:
+        raise ValueError(f"head_weight {tuple(head_weight.shape)} and target_head_weight "
+                         f"{tuple(target_head_weight.shape)} must both be [V, H]")  # fmt: skip
+    if head_weight.shape[1] != hidden.shape[1]:
+        raise ValueError(f"head_weight is [V, {head_weight.shape[1]}], hidden is [N, {hidden.shape[1]}]")
+    rows = chunk_rows or default_chunk_rows(head_weight.shape[0])
+    if rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {rows}")
+    plan = _Plan.of(hidden, head_weight, target_head_weight, mode == "soft", rows)
+    if keep_logit_grads is None:
+        size = torch.finfo(plan.draft_dtype).bits // 8
+        keep_logit_grads = hidden.shape[0] * head_weight.shape[0] * size <= KEEP_BYTES
+    plan.keep = keep_logit_grads
+    needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or head_weight.requires_grad)
+    if not needs_grad:
+        with torch.autocast(plan.device_type, enabled=False):
+            loss, pred, tgt, _, _ = _forward_chunks(
+                plan, hidden, head_weight, target_hidden, target_head_weight
+            )
+        return loss, pred, tgt
+    return _ChunkedVocabLoss.apply(hidden, head_weight, target_hidden, target_head_weight, plan)
+
+
+@dataclasses.dataclass
+class _Plan:
+    """Dtypes and chunking of one call (fixed before the autograd function runs)."""
+
+    device_type: str
+    draft_dtype: torch.dtype
+    target_dtype: torch.dtype
+    acc_dtype: torch.dtype
+    soft: bool
+    rows: int
+    keep: bool = False
+
+    @classmethod
+    def of(cls, hidden, head_weight, target_head_weight, soft: bool, rows: int) -> _Plan:
+        device_type = hidden.device.type
+        if torch.is_autocast_enabled(device_type):
+            # the eager loss runs both heads as autocast linears: in the autocast dtype
+            dd = td = torch.get_autocast_dtype(device_type)
+        else:
+            dd, td = hidden.dtype, target_head_weight.dtype
+        return cls(device_type, dd, td, torch.promote_types(dd, torch.float32), soft, rows)
+
+
+def _chunk_logits(plan: _Plan, h, w, th, tw):
+    """fp32 draft logits and the verifier's log-probabilities (soft) or logits (hard) of one chunk."""
+    ld = F.linear(h.to(plan.draft_dtype), w).to(plan.acc_dtype)
+    with torch.no_grad():
+        lt = F.linear(th.to(plan.target_dtype), tw).to(plan.acc_dtype)
+    return ld, lt
+
+
+def _forward_chunks(plan: _Plan, hidden, head_weight, target_hidden, target_head_weight, grad_hidden=None,
+                    keep_lse=False, logit_grads=None):  # fmt: skip
+    """Loss, argmaxes and (when ``grad_hidden`` / ``logit_grads`` are given) d loss[r] / d hidden[r]
+    and d loss[r] / d logits[r], chunk by chunk.
+
+    Returns ``(loss, draft argmax, verifier argmax, draft lse or None, verifier lse or None)``.
+    """
+    N, device = hidden.shape[0], hidden.device
+    w = head_weight.detach().to(plan.draft_dtype)
+    tw = target_head_weight.detach().to(plan.target_dtype)
+    loss = torch.empty(N, dtype=plan.acc_dtype, device=device)
+    pred = torch.empty(N, dtype=torch.int64, device=device)
+    tgt = torch.empty(N, dtype=torch.int64, device=device)
+    lse_d = torch.empty(N, dtype=plan.acc_dtype, device=device) if keep_lse else None
+    lse_t = torch.empty(N, dtype=plan.acc_dtype, device=device) if keep_lse and plan.soft else None
+    for s in range(0, N, plan.rows):
+        e = min(N, s + plan.rows)
+        ld, lt = _chunk_logits(plan, hidden[s:e].detach(), w, target_hidden[s:e].detach(), tw)
+        pred[s:e] = ld.argmax(-1)
+        tgt[s:e] = lt.argmax(-1)
+        lse = torch.logsumexp(ld, -1)
+        if plan.soft:
+            tl = torch.logsumexp(lt, -1)
+            logp = lt.sub_(tl[:, None])
+            p = logp.exp()
+            # KL(p || q) = sum p * (log p - ld) + lse(ld) (sum p = 1), in place of log p
+            loss[s:e] = logp.sub_(ld).mul_(p).sum(-1) + lse
+            del logp, lt
+            if lse_t is not None:
+                lse_t[s:e] = tl
+        else:
+            p = None
+            loss[s:e] = lse - ld.gather(1, tgt[s:e, None]).squeeze(1)
+        if lse_d is not None:
+            lse_d[s:e] = lse
+        if grad_hidden is not None or logit_grads is not None:
+            g = _logit_grad(ld, lse, p, tgt[s:e]).to(plan.draft_dtype)
+            if grad_hidden is not None:
+                grad_hidden[s:e] = (g @ w).to(grad_hidden.dtype)
+            if logit_grads is not None:
+                logit_grads[s:e] = g
+            del g
+        del ld, p
+    return loss, pred, tgt, lse_d, lse_t
+
+
+def _logit_grad(
+    ld: torch.Tensor, lse: torch.Tensor, p: torch.Tensor | None, tgt: torch.Tensor
+) -> torch.Tensor:
+    """``softmax(ld) - target`` (in place of ``ld``): d loss[r] / d logits[r]."""
+    g = ld.sub_(lse[:, None]).exp_()
+    if p is not None:
+        return g.sub_(p)
+    return g.scatter_add_(1, tgt[:, None], torch.full_like(lse[:, None], -1.0))
+
+
+class _ChunkedVocabLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, head_weight, target_hidden, target_head_weight, plan: _Plan):
+        train_head = head_weight.requires_grad
+        keep = train_head and plan.keep
+        grad_hidden = logit_grads = None
+        if (keep or not train_head) and hidden.requires_grad:
+            grad_hidden = torch.empty_like(hidden)
+        if keep:
+            logit_grads = torch.empty(hidden.shape[0], head_weight.shape[0], dtype=plan.draft_dtype,
+                                      device=hidden.device)  # fmt: skip
+        with torch.autocast(plan.device_type, enabled=False):
+            loss, pred, tgt, lse_d, lse_t = _forward_chunks(
+                plan,
+                hidden,
+                head_weight,
+                target_hidden,
+                target_head_weight,
+                grad_hidden,
+                keep_lse=train_head and not keep,
+                logit_grads=logit_grads,
+            )
+        ctx.plan = plan
+        ctx.head_dtype = head_weight.dtype
+        ctx.mode = "recompute" if train_head and not keep else ("keep" if keep else "frozen")
+        if ctx.mode == "keep":
+            ctx.save_for_backward(grad_hidden, logit_grads, hidden)
+        elif ctx.mode == "recompute":
+            ctx.save_for_backward(hidden, head_weight, target_hidden if plan.soft else None,
+                                  target_head_weight if plan.soft else None, lse_d, lse_t, tgt)  # fmt: skip
+        else:
+            ctx.save_for_backward(grad_hidden)
+        ctx.mark_non_differentiable(pred, tgt)
+        return loss, pred, tgt
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_pred, _grad_tgt):
+        plan: _Plan = ctx.plan
+        if ctx.mode == "frozen":
+            (grad_hidden,) = ctx.saved_tensors
+            if grad_hidden is None:
+                return None, None, None, None, None
+            return (grad_hidden * grad_loss[:, None]).to(grad_hidden.dtype), None, None, None, None
+        if ctx.mode == "keep":
+            grad_hidden, logit_grads, hidden = ctx.saved_tensors
+            grad_h = None if grad_hidden is None else (grad_hidden * grad_loss[:, None]).to(grad_hidden.dtype)
+            with torch.autocast(plan.device_type, enabled=False):
+                grad_w = _head_grad(plan, grad_loss, logit_grads, hidden)
+            return grad_h, grad_w.to(ctx.head_dtype), None, None, None
+        hidden, head_weight, target_hidden, target_head_weight, lse_d, lse_t, tgt = ctx.saved_tensors
+        with torch.autocast(plan.device_type, enabled=False):
+            grad_h, grad_w = _backward_chunks(plan, grad_loss, hidden, head_weight, target_hidden,
+                                              target_head_weight, lse_d, lse_t, tgt,
+                                              ctx.needs_input_grad[0])  # fmt: skip
+        return grad_h, grad_w, None, None, None
+
+
+def _head_grad(plan: _Plan, grad_loss, logit_grads, hidden) -> torch.Tensor:
+    """``sum_r grad_loss[r] * logit_grads[r]^T hidden[r]`` chunk by chunk, accumulated in fp32."""
+    go = grad_loss.to(plan.acc_dtype)
+    grad_w = torch.zeros(logit_grads.shape[1], hidden.shape[1], dtype=torch.float32, device=hidden.device)
+    for s in range(0, hidden.shape[0], plan.rows):
+        e = min(hidden.shape[0], s + plan.rows)
+        g = (logit_grads[s:e] * go[s:e, None]).to(plan.draft_dtype)
+        grad_w += (g.t() @ hidden[s:e].detach().to(plan.draft_dtype)).float()
+    return grad_w
+
+
+def _backward_chunks(plan, grad_loss, hidden, head_weight, target_hidden, target_head_weight, lse_d, lse_t, tgt,
+                     want_hidden):  # fmt: skip
+    """Recompute each chunk's logit gradient; return (d hidden or None, d head_weight)."""
+    w = head_weight.detach().to(plan.draft_dtype)
+    tw = target_head_weight.detach().to(plan.target_dtype) if plan.soft else None
+    grad_w = torch.zeros(head_weight.shape, dtype=torch.float32, device=head_weight.device)
+    grad_h = torch.empty_like(hidden) if want_hidden else None
+    go = grad_loss.to(plan.acc_dtype)
+    for s in range(0, hidden.shape[0], plan.rows):
+        e = min(hidden.shape[0], s + plan.rows)
+        h = hidden[s:e].detach().to(plan.draft_dtype)
+        ld = F.linear(h, w).to(plan.acc_dtype)
+        p = None
+        if plan.soft:
+            lt = F.linear(target_hidden[s:e].detach().to(plan.target_dtype), tw).to(plan.acc_dtype)
+            p = lt.sub_(lse_t[s:e, None]).exp_()
+        g = _logit_grad(ld, lse_d[s:e], p, tgt[s:e]).mul_(go[s:e, None]).to(plan.draft_dtype)
+        del ld, p
+        if grad_h is not None:
+            grad_h[s:e] = (g @ w).to(grad_h.dtype)
+        grad_w += (g.t() @ h).float()
+    return grad_h, grad_w.to(head_weight.dtype)

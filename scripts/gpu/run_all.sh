@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# The side-by-side GPU run of issue 12, one script, about 6-7 minutes on an H200 (each part has a
+# time bound; the bounds sum to 8 minutes). Needs no internet: run scripts/gpu/prepare.sh first on
+# a machine with PyPI and carry .gpu-carry/ along (see docs/benchmarks.md for the device call).
+#
+#   1. our bench_train.py at the reference shape: tokens/s and peak memory (AdamW; and the default
+#      optimizer of spectrain train when it is not AdamW), plus a host-device sync census
+#   2. the peer's step (speculators 0.9.0, .gpu-carry/peer-bench/run.sh): same shape, same GPU
+#   3. a short real `spectrain train` on a synthetic store at the reference shape (store -> loader
+#      -> step, so the loader's cost shows in tokens/s and data_wait_fraction)
+#   4. an `hsgen serve --device cuda` smoke: the tiny model served on the GPU, `hsgen generate`
+#      of 8 chats into a store, `hsgen verify`
+#
+# Everything lands in $OUT (default ./gpu-results): summary.json (one JSON object: our figures,
+# the peer's, the ratios), run_all.log, and logs.tar.gz (every part's logs and JSON).
+# TINY=1 DEVICE=cpu runs the same parts at a tiny shape on CPU (tests; the peer is skipped when
+# .gpu-carry/peer-bench is absent).
+set -u
+cd "$(dirname "$0")/../.."
+ROOT=$PWD
+OUT=${OUT:-$ROOT/gpu-results}
+WORK=${WORK:-$(mktemp -d /tmp/gpu-run.XXXXXX)}
+PY=${PYTHON:-python3}
+DEVICE=${DEVICE:-cuda}
+TINY=${TINY:-0}
+CARRY=${CARRY:-$ROOT/.gpu-carry}
+mkdir -p "$OUT" "$WORK/logs"
+exec > >(tee "$OUT/run_all.log") 2>&1
+T0=$(date +%s)
+log() { echo "[run_all +$(( $(date +%s) - T0 ))s] $*"; }
+
+package() {
+  log "summarising"
+  "$PY" scripts/gpu/summarize.py "$WORK" > "$OUT/summary.json" 2> "$WORK/logs/summarize.log" \
+    || log "summarize failed (see logs/summarize.log)"
+  cat "$OUT/summary.json" 2>/dev/null
+  tar -czf "$OUT/logs.tar.gz" -C "$WORK" logs 2>/dev/null
+  log "done; results in $OUT"
+}
+trap package EXIT
+
+# 0. our dependencies the image lacks (zarr, numcodecs, donfig, google-crc32c), then our sources
+SITE=$WORK/site
+if ls "$CARRY"/whl/*.whl >/dev/null 2>&1; then
+  log "installing $(ls "$CARRY"/whl/*.whl | wc -l) carried wheels into $SITE"
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$CARRY"/whl/*.whl \
+    > "$WORK/logs/pip.log" 2>&1 || log "pip install of the carried wheels failed (see logs/pip.log)"
+fi
+export PYTHONPATH="$ROOT/packages/hsgen/src:$ROOT/packages/spectrain/src:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+{
+  date -u; "$PY" -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__,
+"cuda", torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no gpu")'
+  nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,power.limit --format=csv 2>&1 | head -3
+  "$PY" -c 'import zarr, hsgen, spectrain; print("zarr", zarr.__version__, hsgen.__file__, spectrain.__file__)'
+} > "$WORK/logs/env.txt" 2>&1
+cat "$WORK/logs/env.txt"
+
+TINY_FLAG=(); PEER_DEFAULT="--loss-impl eager"
+if [ "$TINY" = 1 ]; then TINY_FLAG=(--tiny); PEER_DEFAULT="--tiny --loss-impl eager"; fi
+
+# 1. ours (bound 110 s)
+log "1/4 bench_train.py at the reference shape"
+timeout -k 10 "${OURS_TIMEOUT:-110}" "$PY" scripts/bench_train.py --device "$DEVICE" --no-loader --sync-census \
+  "${TINY_FLAG[@]}" > "$WORK/logs/ours.json" 2> "$WORK/logs/ours.log"
+log "bench_train rc=$?: $(tail -c 400 "$WORK/logs/ours.json")"
+
+# 2. the peer (bounds 140 + 100 s, install ~20 s)
+if [ -x "$CARRY/peer-bench/run.sh" ] || [ -f "$CARRY/peer-bench/run.sh" ]; then
+  log "2/4 the peer's step (speculators)"
+  RESULTS="$WORK/logs/peer" PEER_SITE="$WORK/peer-site" PYTHON="$PY" BENCH_ARGS="${PEER_ARGS:-$PEER_DEFAULT}" \
+    DFLASH_TIMEOUT="${PEER_DFLASH_TIMEOUT:-140}" EAGLE3_TIMEOUT="${PEER_EAGLE3_TIMEOUT:-100}" \
+    timeout -k 10 280 bash "$CARRY/peer-bench/run.sh" > "$WORK/logs/peer-run.log" 2>&1
+  log "peer rc=$?: $(tail -n 3 "$WORK/logs/peer-run.log")"
+else
+  log "2/4 skipped: $CARRY/peer-bench missing (run scripts/gpu/prepare.sh)"
+fi
+
+# 3. spectrain train on a synthetic store at the reference shape (bounds 35 + 75 s)
+log "3/4 spectrain train on a synthetic store"
+if [ "$TINY" = 1 ]; then
+  REF_ARGS=(--tiny --samples 12 --tokens 256); TRAIN_ARGS=(--block-size 4 --max-anchors 16 --num-layers 1
+    --total-seq-len 512 --max-steps 4)
+else
+  REF_ARGS=(--samples 48 --tokens 2048); TRAIN_ARGS=(--max-steps 12)
+fi
+timeout -k 5 35 "$PY" scripts/gpu/synthetic_reference.py "$WORK/ref" "${REF_ARGS[@]}" \
+  > "$WORK/logs/reference.json" 2> "$WORK/logs/reference.log"
+log "synthetic store rc=$?: $(cat "$WORK/logs/reference.json")"
+timeout -k 10 75 "$PY" -m spectrain.cli train --store "$WORK/ref/store" --verifier "$WORK/ref/verifier" \
+  --speculator-type dflash "${TRAIN_ARGS[@]}" --log-every 1 --save-every 0 --val-fraction 0 --device "$DEVICE" \
+  --save-path "$WORK/train" > "$WORK/logs/train.json" 2> "$WORK/logs/train.log"
+log "train rc=$?"
+cp "$WORK/train/metrics.jsonl" "$WORK/logs/train-metrics.jsonl" 2>/dev/null
+
+# 4. hsgen serve on the device (bound 40 s)
+log "4/4 hsgen serve --device $DEVICE smoke"
+timeout -k 5 40 bash scripts/gpu/serve_smoke.sh "$WORK/serve" "$DEVICE" > "$WORK/logs/serve.json" \
+  2> "$WORK/logs/serve.log"
+log "serve smoke rc=$?: $(tail -c 300 "$WORK/logs/serve.json")"
