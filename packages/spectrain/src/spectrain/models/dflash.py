@@ -30,10 +30,10 @@ from spectrain.models.common import (
     dpace_weights,
     draft_to_target_ids,
     loss_decay_weights,
-    vocab_loss,
 )
 from spectrain.models.layers import MLP, MaskSpec, PreparedMask, RMSNorm, apply_rope, rope_cos_sin
 from spectrain.models.registry import DraftConfig, DraftContext, DraftModel, register
+from spectrain.models.vocab_loss import vocab_loss
 from spectrain.verifier import VerifierHeads
 
 

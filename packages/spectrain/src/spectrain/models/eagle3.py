@@ -24,10 +24,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from spectrain.data import Batch
-from spectrain.models.common import build_vocab_map, chain_metrics, draft_to_target_ids, vocab_loss
+from spectrain.models.common import build_vocab_map, chain_metrics, draft_to_target_ids
 from spectrain.models.dflash import qwen3_layer_config, speculators_config
 from spectrain.models.layers import MLP, MaskSpec, PreparedMask, RMSNorm, apply_rope, rope_cos_sin
 from spectrain.models.registry import DraftConfig, DraftContext, DraftModel, register
+from spectrain.models.vocab_loss import vocab_loss
 from spectrain.verifier import VerifierHeads
 
 log = logging.getLogger(__name__)
