@@ -21,3 +21,13 @@ def sample_chats_path() -> Path:
     from hsgen.sample_data import sample_chats_path
 
     return sample_chats_path()
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    """An empty Hugging Face cache under ``$HF_HOME``, with ``HF_HUB_OFFLINE=1`` (tests never download)."""
+    home = tmp_path / "hf-home"
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return home / "hub"

@@ -43,7 +43,7 @@ def run_generate(data, store, url, shared, tiny, *extra, timeout=240):
 async def test_generate_store_matches_direct_fetch(tmp_path, chats, tiny_model_dir, version):
     shared = tmp_path / "shm"
     data = chats(24)
-    with running_server("tiny", LAYERS, shared, vllm_version=version) as url:
+    with running_server("tiny", LAYERS, shared, vllm_version=version, dtype="float32") as url:
         r, summary = run_generate(data, tmp_path / "st", url, shared, tiny_model_dir)
         assert r.returncode == 0, r.stderr[-3000:]
         assert summary["stored"] == 24 and summary["failed"] == 0

@@ -53,7 +53,9 @@ def test_missing_model_dir_and_bad_layer_are_named(tmp_path):
     result = CliRunner().invoke(
         main, ["serve", "--model", str(tmp_path / "nope"), "--layers", "1", "--port", "0"]
     )
-    assert result.exit_code != 0 and "never downloads" in result.output
+    assert (
+        result.exit_code != 0 and "nope" in result.output and "nor a Hugging Face model id" in result.output
+    )
     result = CliRunner().invoke(
         main,
         [
@@ -101,3 +103,26 @@ def test_child_process_server_with_tiny_model(tmp_path):
         path = body["kv_transfer_params"]["hidden_states_path"]
         wait_lock_shared(path)
         assert load_states(path)["token_ids"].tolist() == [1, 2, 3]
+
+
+def test_wait_until_healthy_and_timeout(tmp_path):
+    import socket
+
+    from hsgen.serve.testing import running_server
+
+    with running_server("tiny", TINY_LAYERS, tmp_path) as url:
+        res = CliRunner().invoke(main, ["wait", url + "/v1", "--timeout", "30"])
+        assert res.exit_code == 0 and "healthy after" in res.output
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    res = CliRunner().invoke(main, ["wait", f"http://127.0.0.1:{port}", "--timeout", "0.5"])
+    assert res.exit_code == 1 and "/health: no answer within 0.5 s" in res.output
+
+
+def test_a_relative_shared_dir_is_served_as_an_absolute_path(tmp_path, monkeypatch):
+    from hsgen.serve.cli import config_from_options
+
+    monkeypatch.chdir(tmp_path)
+    cfg = config_from_options({"model": "tiny", "layers": "1,4", "shared_storage_path": "runs/hs"})
+    assert cfg.shared_storage_path == str(tmp_path / "runs" / "hs")

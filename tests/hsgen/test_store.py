@@ -100,7 +100,7 @@ def test_shards_are_plain_zarr_v3(tmp_path):
     written = fill(store, 10)
     for sid, s in written.items():
         rec = store.record(sid)
-        assert isinstance(rec, SampleRecord) and rec.checksum.startswith("bsum64:")
+        assert isinstance(rec, SampleRecord) and rec.checksum.startswith("xxh3:")
         group = zarr.open_group(tmp_path / "s" / rec.shard, mode="r")
         assert group.metadata.zarr_format == 3
         hs = group["hidden_states"][rec.offset : rec.offset + rec.length]
@@ -417,3 +417,31 @@ def test_background_commit_overlaps_and_errors_keep_samples(tmp_path):
     w.close()
     for s in samples[3:]:
         assert_same(store.read(s.sample_id), s)
+
+
+def test_checksum_follows_the_store_format_version(tmp_path):
+    """Version 2 stores write xxh3; a version 1 store keeps bsum64 when a newer hsgen appends to it,
+    so the hsgen that created it can still verify it. Either kind is verified."""
+    import numpy as np
+
+    from hsgen.store import HiddenStateStore, StoreHeader
+    from hsgen.store.codecs import checksum
+
+    for version, prefix in ((1, "bsum64:"), (2, "xxh3:")):
+        header = StoreHeader(
+            verifier="v", layer_ids=(1,), hidden_size=4, dtype="float32", format_version=version
+        )
+        st = HiddenStateStore.create(tmp_path / f"v{version}", header)
+        hs = np.arange(20, dtype=np.float32).reshape(5, 1, 4)
+        with st.writer("w") as w:
+            w.add("a", hs, np.arange(5))
+        st = HiddenStateStore.open(tmp_path / f"v{version}")
+        rec = st.record("a")
+        assert rec.checksum.startswith(prefix)
+        assert rec.checksum == checksum([hs, np.arange(5, dtype=np.int64), np.ones(5, np.uint8)], prefix[:-1])
+        assert st.verify() == []
+        shard = tmp_path / f"v{version}" / rec.shard / "hidden_states" / "c" / "0" / "0" / "0"
+        data = bytearray(shard.read_bytes())
+        data[9] ^= 1
+        shard.write_bytes(bytes(data))
+        assert any("checksum" in p for p in HiddenStateStore.open(tmp_path / f"v{version}").verify())

@@ -80,7 +80,7 @@ def test_read_into_refuses_a_buffer_of_the_wrong_shape(tmp_path):
 @given(
     sizes=st.lists(st.integers(0, 3 * 4096 + 100), min_size=1, max_size=4),
     blocks=st.integers(1, 3),
-    algorithm=st.sampled_from(["bsum64", "crc32"]),
+    algorithm=st.sampled_from(["xxh3", "bsum64", "crc32"]),
 )
 def test_checksum_stream_equals_the_whole_checksum(sizes, blocks, algorithm):
     rng = np.random.default_rng(sum(sizes))
@@ -92,6 +92,26 @@ def test_checksum_stream_equals_the_whole_checksum(sizes, blocks, algorithm):
         for lo in range(0, a.size, piece):
             stream.update(a[lo : lo + piece])
     assert stream.hexdigest() == C.checksum(arrays, algorithm)
+
+
+def test_xxh3_is_xxh3_64_of_length_prefixed_bytes():
+    """The stored ``xxh3`` string is XXH3-64 over each array's 8-byte little-endian length and bytes
+    (docs/format.md), computed here without the store's code."""
+    import xxhash
+
+    arrays = [np.arange(5000, dtype=np.uint16), np.arange(7, dtype=np.int64), np.ones(7, np.uint8)]
+    h = xxhash.xxh3_64()
+    for a in arrays:
+        h.update(a.nbytes.to_bytes(8, "little"))
+        h.update(a.tobytes())
+    assert C.checksum(arrays, "xxh3") == f"xxh3:{h.hexdigest()}"
+    stream = C.ChecksumStream("xxh3")
+    for a in arrays:
+        stream.begin(a.nbytes)
+        b = a.tobytes()
+        stream.update(b[:3])
+        stream.update(b[3:])
+    assert stream.hexdigest() == f"xxh3:{h.hexdigest()}"
 
 
 def test_checksum_stream_refuses_a_misaligned_piece():

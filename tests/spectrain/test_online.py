@@ -24,7 +24,7 @@ N_PROMPTS = 24
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
-    with running_server(tiny_model_dir, LAYERS, tmp_path_factory.mktemp("hs")) as url:
+    with running_server(tiny_model_dir, LAYERS, tmp_path_factory.mktemp("hs"), dtype="float32") as url:
         yield url
 
 
@@ -391,7 +391,7 @@ def test_config_from_train_config(tiny_model_dir, tmp_path):
 
 
 def test_fatal_client_error_stops_with_a_clear_message(tiny_model_dir, prompts_file, tmp_path):
-    with running_server(tiny_model_dir, LAYERS, tmp_path / "hs", api_key="secret") as url:
+    with running_server(tiny_model_dir, LAYERS, tmp_path / "hs", api_key="secret", dtype="float32") as url:
         cfg = make_config(url, prompts_file, tiny_model_dir, tmp_path, api_key="wrong")
         with OnlineSource(cfg) as src, pytest.raises(RuntimeError, match="unauthorized"):
             _ = src.header  # the probe fetch is refused: every other request would be too

@@ -26,15 +26,9 @@ def _setup_logging(level: str) -> None:
 
 
 def _template_kwargs(text: str | None) -> dict[str, Any]:
-    if not text:
-        return {}
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise click.BadParameter(f"not JSON: {e}", param_hint="--template-kwargs") from None
-    if not isinstance(value, dict):
-        raise click.BadParameter("must be a JSON object", param_hint="--template-kwargs")
-    return value
+    from hsgen.cli import json_object_option
+
+    return json_object_option(text, "--template-kwargs")
 
 
 def _render_options(f):
@@ -42,10 +36,14 @@ def _render_options(f):
     opts = [
         click.option(
             "--tokenizer",
-            type=click.Path(exists=True, file_okay=False, path_type=Path),
-            help="Local directory with the verifier's tokenizer.json and tokenizer_config.json "
-            "(a Hugging Face model directory). Needed for 'messages', 'conversations' and 'prompt' "
-            "records; pre-tokenized 'input_ids' records do not need it.",
+            help="The verifier's tokenizer: a local directory with tokenizer.json and tokenizer_config.json, "
+            "or a Hugging Face model id (e.g. Qwen/Qwen3-8B; only its tokenizer files are fetched, cache "
+            "first). Needed for 'messages', 'conversations' and 'prompt' records; pre-tokenized "
+            "'input_ids' records do not need it.",
+        ),
+        click.option(
+            "--revision",
+            help="Branch, tag or commit of a hub --tokenizer [default: main].",
         ),
         click.option(
             "--chat-template",
@@ -89,9 +87,45 @@ def _render_options(f):
     return f
 
 
-def _make_renderer(tokenizer, chat_template, template_kwargs, max_len, on_too_long):
+def _dataset_options(f):
+    """``--split``, ``--max-samples`` and ``--streaming`` for inputs that are datasets."""
+    opts = [
+        click.option(
+            "--split",
+            default="train",
+            show_default=True,
+            help="Split read from a dataset input (a hub dataset id or a datasets directory).",
+        ),
+        click.option(
+            "--max-samples",
+            type=click.IntRange(min=1),
+            help="Rows read from each dataset input [default: all].",
+        ),
+        click.option(
+            "--streaming",
+            is_flag=True,
+            help="Stream a hub dataset's rows as they are consumed instead of downloading its files first.",
+        ),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+def _dataset_inputs(inputs, split, max_samples, streaming) -> list:
+    from hsgen.hf_datasets import as_input
+
+    return [as_input(x, split=split, max_samples=max_samples, streaming=streaming) for x in inputs]
+
+
+def _make_renderer(tokenizer, chat_template, template_kwargs, max_len, on_too_long, revision=None):
+    from hsgen.hub import HubError, resolve
     from hsgen.render import ChatRenderer, RenderConfig, RenderError
 
+    try:
+        tokenizer = resolve(tokenizer, revision=revision) if tokenizer else None
+    except HubError as e:
+        raise click.BadParameter(str(e), param_hint="--tokenizer") from None
     try:
         return ChatRenderer(
             RenderConfig(
@@ -108,6 +142,7 @@ def _make_renderer(tokenizer, chat_template, template_kwargs, max_len, on_too_lo
 
 @click.command("render")
 @click.argument("inputs", nargs=-1, required=True)
+@_dataset_options
 @_render_options
 @click.option(
     "-o",
@@ -133,12 +168,13 @@ def _make_renderer(tokenizer, chat_template, template_kwargs, max_len, on_too_lo
     help="With --server: render requests in flight.",
 )  # fmt: skip
 def render(
-    inputs, tokenizer, chat_template, template_kwargs, max_len, on_too_long, on_bad_input, log_level, output,
-    server, model, api_key, concurrency,
+    inputs, split, max_samples, streaming, tokenizer, revision, chat_template, template_kwargs, max_len, on_too_long,
+    on_bad_input, log_level, output, server, model, api_key, concurrency,
 ):  # fmt: skip
     """Render conversations to token ids + loss masks, one JSON object per line.
 
-    INPUTS are JSONL, JSON or Parquet files, or '-' for JSONL on stdin, holding OpenAI
+    INPUTS are JSONL, JSON or Parquet files, '-' for JSONL on stdin, a datasets directory or a
+    Hugging Face dataset id (--split, --max-samples, --streaming), holding OpenAI
     'messages', ShareGPT 'conversations', pre-tokenized 'input_ids' (+ 'loss_mask') or plain
     'prompt' records. Each output line is {"id", "input_ids", "loss_mask"}, which
     'hsgen generate -' reads back: hsgen render data.jsonl --tokenizer DIR | hsgen generate - ...
@@ -148,6 +184,7 @@ def render(
     from hsgen.render import RenderError, Skipped, render_stream
 
     _setup_logging(log_level)
+    inputs = _dataset_inputs(inputs, split, max_samples, streaming)
     if server and (tokenizer or chat_template):
         raise click.UsageError(
             "--server renders with the server's tokenizer and template: drop --tokenizer/--chat-template"
@@ -188,7 +225,9 @@ def render(
             asyncio.run(_render_with_server(list(inputs), server, model, api_key, kwargs, max_len, on_too_long,
                                             on_bad_input, concurrency, emit))  # fmt: skip
         else:
-            renderer = _make_renderer(tokenizer, chat_template, template_kwargs, max_len, on_too_long)
+            renderer = _make_renderer(
+                tokenizer, chat_template, template_kwargs, max_len, on_too_long, revision
+            )
             fingerprint = renderer.fingerprint
             for item in render_stream(list(inputs), renderer, on_bad_input=on_bad_input):
                 emit(item)
@@ -241,6 +280,7 @@ async def _render_with_server(
 
 @click.command("generate")
 @click.argument("inputs", nargs=-1, required=True)
+@_dataset_options
 @click.option(
     "--store",
     "store_path",
@@ -425,6 +465,9 @@ async def _render_with_server(
 )
 def generate(
     inputs,
+    split,
+    max_samples,
+    streaming,
     store_path,
     endpoints,
     shared_dir,
@@ -434,6 +477,7 @@ def generate(
     verifier,
     codec,
     tokenizer,
+    revision,
     chat_template,
     template_kwargs,
     max_len,
@@ -465,8 +509,8 @@ def generate(
 ):
     """Fetch hidden states for the prompts in INPUTS from vLLM servers into a store.
 
-    INPUTS are dataset files (JSONL, JSON, Parquet) or '-' for JSONL on stdin (e.g. the output
-    of 'hsgen render'). Re-running resumes: samples already in the store are skipped.
+    INPUTS are dataset files (JSONL, JSON, Parquet), '-' for JSONL on stdin (e.g. the output
+    of 'hsgen render'), a datasets directory or a Hugging Face dataset id (--split, --max-samples). Re-running resumes: samples already in the store are skipped.
     Prints one JSON summary line on stdout. Exit codes: 0 all stored, 3 partial (some prompts
     failed; see the failures file), 1 failure (nothing stored, or a fatal error), 130 interrupted.
     """
@@ -478,6 +522,7 @@ def generate(
     from hsgen.saturate import SaturationConfig
 
     _setup_logging(log_level)
+    inputs = _dataset_inputs(inputs, split, max_samples, streaming)
     if rank >= world_size:
         raise click.BadParameter(f"must be < --world-size ({world_size})", param_hint="--rank")
     ids = None
@@ -486,9 +531,9 @@ def generate(
             ids = protocol.parse_layer_ids(layer_ids)
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint="--layer-ids") from None
-    if ids is not None and tokenizer is not None:
-        _check_layer_ids(ids, Path(tokenizer))
-    renderer = _make_renderer(tokenizer, chat_template, template_kwargs, max_len, on_too_long)
+    renderer = _make_renderer(tokenizer, chat_template, template_kwargs, max_len, on_too_long, revision)
+    if ids is not None and renderer.config.tokenizer_path:  # a model directory (or a hub id's snapshot)
+        _check_layer_ids(ids, Path(renderer.config.tokenizer_path))
     store = _open_store(store_path, ids, renderer.fingerprint)
     if store is None and ids is None:
         raise click.UsageError(f"{store_path} is not a store yet: --layer-ids is needed to create it")
@@ -530,7 +575,7 @@ def generate(
     if store is None:
         store = _store_factory(store_path, ids, verifier or model, renderer.fingerprint, codec, cfg)
     prompts = render_stream(list(inputs), renderer, on_bad_input=on_bad_input)
-    show = progress if progress is not None else sys.stderr.isatty()
+    show = progress is not False  # a bar on a terminal, log lines otherwise: see hsgen.progress
     summary = asyncio.run(_run_with_signals(run_generate, cfg, prompts, store, show))
     summary.store = summary.store or str(store_path)
     click.echo(summary.to_json())  # a fatal error was logged once, on one line, by the run

@@ -304,12 +304,24 @@ def _parquet_records(path: Path, batch_rows: int = 1024) -> Iterator[tuple[str, 
             row += 1
 
 
-def iter_records(path: str | Path, stdin: TextIO | None = None) -> Iterator[tuple[str, Any]]:
+def iter_records(path: str | Path | Any, stdin: TextIO | None = None) -> Iterator[tuple[str, Any]]:
     """Yield ``(source, decoded record or InputError)`` for every record of one input.
 
     ``path == "-"`` reads JSONL from ``stdin`` (default ``sys.stdin``). The format follows the
-    suffix: ``.jsonl``/``.ndjson`` (also ``.gz``), ``.json``, ``.parquet``.
+    suffix: ``.jsonl``/``.ndjson`` (also ``.gz``), ``.json``, ``.parquet``. A dataset directory,
+    a hub dataset id or a :class:`hsgen.hf_datasets.DatasetSpec` is read with ``datasets``.
     """
+    from hsgen import hf_datasets
+
+    if isinstance(path, hf_datasets.DatasetSpec) or (
+        str(path) != "-" and hf_datasets.is_dataset_input(str(path))
+    ):
+        spec = path if isinstance(path, hf_datasets.DatasetSpec) else hf_datasets.DatasetSpec(str(path))
+        try:
+            yield from hf_datasets.iter_dataset_records(spec)
+        except hf_datasets.DatasetInputError as e:
+            raise InputError(str(spec), str(e).removeprefix(f"{spec}: ")) from None
+        return
     if str(path) == "-":
         stream = stdin if stdin is not None else sys.stdin
         yield from _jsonl_records(getattr(stream, "buffer", stream), "<stdin>")

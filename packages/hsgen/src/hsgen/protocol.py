@@ -365,8 +365,10 @@ def parse_prometheus(text: str) -> dict[str, float]:
         line = line.strip()
         if not line or line.startswith("#"):
             continue
-        name_part, _, rest = line.partition(" ") if "{" not in line else line.partition("}")
-        name = name_part.split("{", 1)[0]
+        if "{" in line:  # quoted label values may hold spaces and braces: the value follows the last }
+            name, rest = line[: line.index("{")], line[line.rfind("}") + 1 :]
+        else:
+            name, _, rest = line.partition(" ")
         value_text = rest.strip().split(" ")[0] if rest.strip() else ""
         try:
             value = float(value_text)

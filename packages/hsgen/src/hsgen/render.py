@@ -267,6 +267,10 @@ class ChatRenderer:
         tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
         """Render messages to text with the chat template (like HF ``tokenize=False``)."""
+        if self._tokenizer is None:
+            raise RenderError(
+                "rendering conversations needs the verifier's tokenizer: pass --tokenizer DIR or a hub id"
+            )
         if self._template is None:
             raise RenderError("the tokenizer has no chat_template: pass --chat-template FILE")
         import jinja2
@@ -288,7 +292,9 @@ class ChatRenderer:
     ) -> tuple[list[int], list[tuple[int, int]]]:
         """Token ids and character offsets of ``text``."""
         if self._tokenizer is None:
-            raise RenderError("rendering text needs a tokenizer: pass --tokenizer DIR (the verifier's)")
+            raise RenderError(
+                "rendering text needs a tokenizer: pass --tokenizer DIR or a hub id (the verifier's)"
+            )
         enc = self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
         return list(enc.ids), list(enc.offsets)
 

@@ -117,9 +117,9 @@ class Progress:
         self.bar = None
         self._last = 0.0
         if enabled:
-            from tqdm import tqdm
+            from hsgen.progress import progress_bar
 
-            self.bar = tqdm(unit="sample", dynamic_ncols=True, smoothing=0.1, desc="generate")
+            self.bar = progress_bar(unit="sample", dynamic_ncols=True, smoothing=0.1, desc="generate")
 
     def update(
         self, n: int, summary: GenerateSummary, t0: float, in_flight: int, force: bool = False

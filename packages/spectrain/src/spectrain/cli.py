@@ -13,10 +13,18 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "export": ("spectrain.train_cli:export", "Export a training checkpoint as a directory vLLM serves."),
     "eval": ("spectrain.eval_cli:eval_command", "Measure acceptance length with real speculative decoding."),
+    "report": (
+        "spectrain.report_cli:report",
+        "Chart a run's metrics (and an eval) as PNGs and one HTML page.",
+    ),
 }
 
 
-@click.group(cls=LazyGroup, lazy_commands=COMMANDS, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(
+    cls=LazyGroup,
+    lazy_commands=COMMANDS,
+    context_settings={"help_option_names": ["-h", "--help"], "show_default": True},
+)
 @click.version_option(package_name="spectrain")
 def main() -> None:
     """spectrain: train speculative-decoding drafts from a target model's hidden states."""

@@ -350,14 +350,14 @@ def evaluate(
     limit = max_tokens(proposer)
     if limit is not None and limit < K:
         raise ValueError(f"num_speculative_tokens {K} exceeds the draft's limit of {limit}")
-    from tqdm import tqdm
+    from hsgen.progress import progress_bar
 
     outputs: list[SpeculativeOutput] = []
     per_prompt: list[dict[str, Any]] = []
     mismatches: list[dict[str, Any]] = []
     spec_s = greedy_s = 0.0
     greedy_forwards = 0
-    for p in tqdm(prompts, desc="eval", unit="prompt", disable=not progress):
+    for p in progress_bar(prompts, desc="eval", unit="prompt", disable=not progress):
         t0 = time.perf_counter()
         o = speculative_generate(verifier, proposer, p.token_ids, max_new_tokens, K)
         spec_s += time.perf_counter() - t0
@@ -404,17 +404,26 @@ def evaluate(
 # --------------------------------------------------------------------------- prompts
 
 
-def load_prompts(path: str | Path, tokenizer: Any, *, num_prompts: int | None = None) -> list[EvalPrompt]:
+def load_prompts(
+    path: str | Path | Any,
+    tokenizer: Any,
+    *,
+    num_prompts: int | None = None,
+    chat_template: str | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+) -> list[EvalPrompt]:
     """Read evaluation prompts (any format ``hsgen.inputs`` reads) and tokenize them.
 
     - ``messages``: trailing assistant turns are dropped and the chat template is applied
-      with the generation prompt (the model answers the last user turn).
+      with the generation prompt (the model answers the last user turn); ``chat_template`` (a
+      file) and ``template_kwargs`` render as ``hsgen generate --chat-template/--template-kwargs``.
     - ``input_ids`` (+ optional ``loss_mask``): the tokens before the first ``loss_mask == 1``
       (all of them without a mask), so a training-format file with held-out rows works.
     - ``prompt``/``text``: the raw text, tokenized without a template.
     """
     from hsgen.inputs import InputError, read_inputs
 
+    template = Path(chat_template).read_text() if chat_template else None
     prompts: list[EvalPrompt] = []
     for sample in read_inputs([path]):
         if num_prompts is not None and len(prompts) >= num_prompts:
@@ -425,7 +434,8 @@ def load_prompts(path: str | Path, tokenizer: Any, *, num_prompts: int | None = 
                 messages.pop()
             if not messages:
                 raise InputError(sample.source, "conversation has no turn before the assistant's answer")
-            enc = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+            enc = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                                chat_template=template, **(template_kwargs or {}))  # fmt: skip
             ids = enc["input_ids"] if hasattr(enc, "keys") else enc
         elif sample.kind == "tokens":
             ids = list(sample.input_ids or ())

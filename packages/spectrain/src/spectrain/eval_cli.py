@@ -44,20 +44,48 @@ def format_report(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _layer_ids(text: str | None, draft_layers) -> list[int]:
+    if not text:
+        return list(draft_layers)
+    from hsgen.protocol import parse_layer_ids
+
+    try:
+        ids = parse_layer_ids(text)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--layer-ids") from None
+    if len(ids) != len(draft_layers):
+        raise click.BadParameter(
+            f"{ids}: the draft reads {len(draft_layers)} layers ({list(draft_layers)})",
+            param_hint="--layer-ids",
+        )
+    return ids
+
+
+def follow_latest(path: str) -> str:
+    """A training ``--save-path`` (holding ``latest``) -> its newest checkpoint; anything else as is."""
+    from pathlib import Path
+
+    latest = Path(path) / "latest"
+    if latest.is_file() and not (Path(path) / "config.json").is_file():
+        return str(Path(path) / latest.read_text().strip())
+    return path
+
+
 @click.command("eval", context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.option(
     "--draft",
     "draft_dir",
     required=True,
     type=click.Path(file_okay=False),
-    help="Exported draft directory (config.json + model.safetensors).",
+    help="Exported draft directory (config.json + model.safetensors), or a training --save-path "
+    "(its 'latest' checkpoint is used).",
 )
 @click.option(
     "--verifier",
     required=True,
-    type=click.Path(file_okay=False),
-    help="Local HF directory of the verifier model.",
+    help="The verifier: a local HF directory or a Hugging Face model id (resolved in the HF cache first).",
 )
+@click.option("--revision", default=None, help="Branch, tag or commit of a hub --verifier [default: main].")
 @click.option(
     "--prompts",
     "prompts_path",
@@ -70,8 +98,24 @@ def format_report(report: dict[str, Any]) -> str:
     type=click.IntRange(min=1),
     help="Tokens generated per prompt (fewer at EOS).",
 )
+@click.option("--split", default="train", help="Split of a dataset --prompts (hub id or datasets directory).")
+@click.option(
+    "--chat-template",
+    type=click.Path(exists=True, dir_okay=False),
+    help="Chat template file overriding the verifier's (render as hsgen generate did).",
+)
+@click.option(
+    "--template-kwargs",
+    help="Extra chat-template variables as JSON, e.g. '{\"enable_thinking\": false}' (as hsgen generate).",
+)
+@click.option(
+    "--layer-ids",
+    help="Verifier layer ids feeding the draft [default: the draft config's; the same count is required].",
+)
 @click.option(
     "--num-prompts",
+    "--max-samples",
+    "num_prompts",
     default=None,
     type=click.IntRange(min=1),
     help="Use only the first N prompts [default: all].",
@@ -85,11 +129,16 @@ def format_report(report: dict[str, Any]) -> str:
 )
 @click.option(
     "--dtype",
-    default="float64",
-    type=click.Choice(sorted(DTYPES)),
-    help="Verifier dtype (float64 keeps batched verification and greedy decoding bit-identical in practice).",
+    default="auto",
+    type=click.Choice(["auto", *sorted(DTYPES)]),
+    help="Verifier dtype; auto = float64 on CPU (batched verification and greedy decoding stay "
+    "bit-identical in practice), float32 on a GPU.",
 )
-@click.option("--device", default="cpu", help="Torch device for verifier and draft: cpu, cuda, cuda:1, ...")
+@click.option(
+    "--device",
+    default="auto",
+    help="Torch device for verifier and draft: auto (cuda if available), cpu, cuda:1, ...",
+)
 @click.option(
     "--block-attention",
     type=click.Choice(["auto", "bidirectional", "causal"]),
@@ -106,10 +155,15 @@ def format_report(report: dict[str, Any]) -> str:
 @click.option(
     "--json", "as_json", is_flag=True, help="Print one JSON object on stdout (the table goes to stderr)."
 )
-@click.option("--progress/--no-progress", default=True, help="Progress bar on stderr.")
+@click.option(
+    "--progress/--no-progress",
+    default=None,
+    help="Progress on stderr: a bar on a terminal, periodic log lines otherwise [default: auto].",
+)
 @click.option("--log-level", default="WARNING", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]))
-def eval_command(draft_dir, verifier, prompts_path, max_new_tokens, num_prompts, num_speculative_tokens, dtype,
-                 device, block_attention, torch_threads, as_json, progress, log_level) -> None:  # fmt: skip
+def eval_command(draft_dir, verifier, revision, prompts_path, max_new_tokens, split, chat_template, template_kwargs,
+                 layer_ids, num_prompts, num_speculative_tokens, dtype, device, block_attention, torch_threads, as_json,
+                 progress, log_level) -> None:  # fmt: skip
     """Speculative decoding with greedy verification: tau, per-position acceptance, exactness.
 
     The verifier runs with transformers; the draft is loaded from the exported (vLLM) format.
@@ -133,11 +187,28 @@ def eval_command(draft_dir, verifier, prompts_path, max_new_tokens, num_prompts,
     )
     if torch_threads:
         torch.set_num_threads(torch_threads)
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if dtype == "auto":
+        dtype = "float64" if device == "cpu" else "float32"
+    draft_dir = follow_latest(draft_dir)
+    verifier_arg = verifier
+    try:
+        from hsgen.hub import HubError, resolve
+
+        verifier = str(resolve(verifier, revision=revision, need="full"))
+    except HubError as e:
+        raise click.BadParameter(str(e), param_hint="--verifier") from None
     try:
         proposer = load_exported_draft(draft_dir, verifier, device=device,
                                        block_attention=None if block_attention == "auto" else block_attention)  # fmt: skip
-        ver, tokenizer = load_verifier(verifier, proposer.layer_ids, dtype=dtype, device=device)
-        prompts = load_prompts(prompts_path, tokenizer, num_prompts=num_prompts)
+        layers = _layer_ids(layer_ids, proposer.layer_ids)
+        ver, tokenizer = load_verifier(verifier, layers, dtype=dtype, device=device)
+        from hsgen.cli import json_object_option
+        from hsgen.hf_datasets import as_input
+
+        prompts = load_prompts(as_input(prompts_path, split=split), tokenizer, num_prompts=num_prompts,
+                               chat_template=chat_template, template_kwargs=json_object_option(template_kwargs, "--template-kwargs"))  # fmt: skip
         limit = max_tokens(proposer)
         if num_speculative_tokens and limit is not None and num_speculative_tokens > limit:
             raise click.BadParameter(
@@ -152,13 +223,13 @@ def eval_command(draft_dir, verifier, prompts_path, max_new_tokens, num_prompts,
         prompts,
         max_new_tokens=max_new_tokens,
         num_speculative_tokens=num_speculative_tokens,
-        progress=progress,
+        progress=progress is not False,
     )
     result = {
         "draft": str(draft_dir),
         "algorithm": proposer.algorithm,
-        "verifier": str(verifier),
-        "layer_ids": list(proposer.layer_ids),
+        "verifier": str(verifier_arg),
+        "layer_ids": list(layers),
         "block_attention": getattr(proposer.model.cfg, "block_attention", None),
         "max_new_tokens": max_new_tokens,
         "verifier_dtype": dtype,

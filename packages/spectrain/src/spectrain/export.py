@@ -142,6 +142,9 @@ def vllm_weights(model: DraftModel, state: dict[str, torch.Tensor] | None = None
     return ADAPTERS[algorithm].convert(model.vllm_state_dict(state), algorithm)
 
 
+_WARNED: set[str] = set()
+
+
 def export_draft(
     model: DraftModel,
     out_dir: str | Path,
@@ -159,7 +162,8 @@ def export_draft(
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    if os.path.isabs(verifier_name) or verifier_name.startswith("."):
+    if (os.path.isabs(verifier_name) or verifier_name.startswith(".")) and verifier_name not in _WARNED:
+        _WARNED.add(verifier_name)  # once per run, not once per checkpoint
         log.warning(
             "speculators_config.verifier.name_or_path is a local path (%s): a bare `vllm serve <draft>` refuses it; "
             "serve with --model <verifier> --speculative-config, or export with --verifier-name <hub id>",

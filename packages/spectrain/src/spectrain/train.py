@@ -142,6 +142,9 @@ class TrainConfig:
     naming store, shard and sample (``hsgen verify STORE`` lists them all)."""
     log_every: int = 10
     tensorboard: bool = False
+    """Same as ``report_to`` holding ``tensorboard``."""
+    report_to: list[str] = field(default_factory=list)
+    """Experiment trackers: ``tensorboard``, ``wandb``, ``trackio`` (see :mod:`spectrain.trackers`)."""
     device: str = "auto"
     """``auto`` (cuda if available), ``cuda`` or ``cpu``."""
     precision: str = "auto"
@@ -463,38 +466,25 @@ def find_resume(cfg: TrainConfig) -> Path | None:
 
 
 class MetricsLog:
-    """JSONL (and optional TensorBoard) on rank 0."""
+    """JSONL and the ``report_to`` trackers (:mod:`spectrain.trackers`), on rank 0."""
 
-    def __init__(self, save_path: Path, enabled: bool, tensorboard: bool):
+    def __init__(self, save_path: Path, enabled: bool, report_to: Sequence[str] = (),
+                 config: dict[str, Any] | None = None):  # fmt: skip
+        from spectrain.trackers import Trackers
+
         self.enabled = enabled
         self.path = save_path / "metrics.jsonl"
-        self.tb = None
-        if enabled and tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                raise RuntimeError(
-                    "--tensorboard needs the tensorboard package: pip install tensorboard"
-                ) from None
-            self.tb = SummaryWriter(str(save_path / "tensorboard"))
+        self.trackers = Trackers(list(report_to) if enabled else [], save_path, config)
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
-        if self.tb is not None:
-            prefix = record.get("split", "train")
-            for k, v in record.items():
-                if isinstance(v, int | float) and k not in ("step",):
-                    self.tb.add_scalar(f"{prefix}/{k}", v, record["step"])
-                elif isinstance(v, list) and k == "acc":
-                    for i, a in enumerate(v):
-                        self.tb.add_scalar(f"{prefix}/acc_{i + 1}", a, record["step"])
+        self.trackers.log(record)
 
     def close(self) -> None:
-        if self.tb is not None:
-            self.tb.close()
+        self.trackers.close()
 
 
 class MetricSums:
@@ -658,7 +648,10 @@ class Trainer:
         self.current_plans: list[list[str]] | None = None
         if self.state is not None:
             self._restore(self.state)
-        self.metrics = MetricsLog(self.save_path, self.info.is_main, cfg.tensorboard)
+        from spectrain.trackers import parse_report_to
+
+        trackers = parse_report_to([*cfg.report_to, *(["tensorboard"] if cfg.tensorboard else [])])
+        self.metrics = MetricsLog(self.save_path, self.info.is_main, trackers, cfg.to_dict())
         self.verifier_name = cfg.verifier_name or self.verifier.info.name_or_path
         self.nonfinite_skipped = 0
         self.nonfinite_streak = 0
@@ -821,9 +814,12 @@ class Trainer:
 
     def _run(self, signals: StopSignals) -> dict[str, Any]:
         cfg = self.cfg
-        from tqdm.auto import tqdm
+        from hsgen.progress import progress_bar
+        from spectrain.startup import startup_line
 
-        bar = tqdm(total=self.total_steps, initial=self.global_step, disable=not self.info.is_main,
+        if self.info.is_main:
+            log.info("%s", startup_line(self))
+        bar = progress_bar(total=self.total_steps, initial=self.global_step, disable=not self.info.is_main, unit="step",
                    desc=f"train {cfg.speculator_type}", dynamic_ncols=True)  # fmt: skip
         window = MetricSums()
         win_tokens, win_wait, win_time, win_steps, win_flops = 0, 0.0, 0.0, 0, 0.0

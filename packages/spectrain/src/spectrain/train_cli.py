@@ -7,9 +7,12 @@ import logging
 import os
 import signal
 import sys
+from pathlib import Path
 from typing import Any
 
 import click
+
+from hsgen.cli import SectionedCommand
 
 DRAFT_FLAGS = {
     "block_size": "block_size",
@@ -44,6 +47,10 @@ TRAIN_FLAGS = (
 )  # fmt: skip
 
 
+DEFAULT_SAVE_PATH = "./output/checkpoints"
+"""``--save-path`` when neither the flags nor the config file name one (speculators' default)."""
+
+
 def _setup_logging() -> None:
     logging.basicConfig(
         level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -55,6 +62,22 @@ def _parse_value(text: str) -> Any:
         return json.loads(text)
     except json.JSONDecodeError:
         return text
+
+
+def _resolve_verifier(data: dict[str, Any], revision: str | None) -> None:
+    """A hub id as ``verifier`` becomes its cached snapshot (only the heads' shards fetched) and,
+    unless given, the ``verifier_name`` the export names (what a bare ``vllm serve <draft>`` needs)."""
+    name = data.get("verifier")
+    if not name or Path(str(name)).expanduser().is_dir():
+        return
+    from hsgen.hub import HubError, resolve
+
+    try:
+        data["verifier"] = str(resolve(str(name), revision=revision, need="heads"))
+    except HubError as e:
+        raise click.BadParameter(str(e), param_hint="--verifier") from None
+    if not data.get("verifier_name"):
+        data["verifier_name"] = str(name)
 
 
 def build_train_config(params: dict[str, Any]):
@@ -87,10 +110,32 @@ def build_train_config(params: dict[str, Any]):
             data[flag] = True
     if params.get("endpoint"):
         data["endpoints"] = list(params["endpoint"])
+    if data.get("endpoints") and not data.get("online"):  # an endpoint is only of use online
+        data["online"] = True
+    if not data.get("save_path"):
+        data["save_path"] = DEFAULT_SAVE_PATH
     online = dict(data.get("online_options") or {})
     for key in ("shared_dir", "scratch_dir", "scratch_bytes", "delete_cached"):
         if params.get(key):
             online[key] = params[key]
+    for flag, key in (
+        ("split", "prompts_split"),
+        ("max_samples", "max_prompts"),
+        ("streaming", "prompts_streaming"),
+    ):
+        if params.get(flag):
+            online[key] = params[flag]
+    if params.get("layer_ids"):
+        from hsgen.protocol import parse_layer_ids
+
+        try:
+            online["layer_ids"] = parse_layer_ids(params["layer_ids"])
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--layer-ids") from None
+    if params.get("template_kwargs"):
+        from hsgen.cli import json_object_option
+
+        online["template_kwargs"] = json_object_option(params["template_kwargs"], "--template-kwargs")
     for item in params.get("online_option") or ():
         if "=" not in item:
             raise click.BadParameter(f"{item!r}: expected KEY=VALUE", param_hint="--online-option")
@@ -98,6 +143,13 @@ def build_train_config(params: dict[str, Any]):
         online[k.strip().replace("-", "_")] = _parse_value(v)
     if online:
         data["online_options"] = online
+    if params.get("report_to"):
+        from spectrain.trackers import parse_report_to
+
+        try:
+            data["report_to"] = parse_report_to(params["report_to"])
+        except ValueError as e:
+            raise click.BadParameter(str(e).removeprefix("report_to: "), param_hint="--report-to") from None
     if params.get("betas"):
         data["betas"] = [float(x) for x in params["betas"].split(",")]
     data["draft"] = draft
@@ -105,6 +157,7 @@ def build_train_config(params: dict[str, Any]):
         from spectrain.draft_io import read_draft_algorithm
 
         data["speculator_type"] = read_draft_algorithm(data["from_pretrained"])
+    _resolve_verifier(data, params.get("revision"))
     where = params.get("config") or "command line"
     cfg = TrainConfig.from_dict(data, where=where)
     cfg.validate()
@@ -114,7 +167,31 @@ def build_train_config(params: dict[str, Any]):
     return cfg
 
 
-@click.command("train", context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+TRAIN_SECTIONS: dict[str, tuple[str, ...]] = {
+    "Run": ("config", "store", "verifier", "revision", "verifier_name", "speculator_type", "from_pretrained",
+            "save_path", "resume"),
+    "Optimization": ("epochs", "max_steps", "stop_after_steps", "lr", "min_lr_ratio", "schedule", "warmup_steps",
+                     "warmup_ratio", "weight_decay", "betas", "max_grad_norm", "max_nonfinite_steps", "total_seq_len",
+                     "grad_accum", "seed"),
+    "Draft (algorithm options)": ("block_size", "max_anchors", "num_layers", "draft_vocab_size", "mask_token_id",
+                                  "ttt_steps", "target_mode", "target_layer_ids", "target_layer_id", "draft_option"),
+    "Validation and checkpoints": ("val_fraction", "val_every", "val_max_sequences", "save_every",
+                                   "keep_checkpoints"),
+    "Online data (vLLM)": ("online", "endpoint", "prompts", "split", "max_samples", "streaming", "layer_ids",
+                           "chat_template", "template_kwargs", "shared_dir", "scratch_dir", "scratch_bytes",
+                           "delete_consumed", "cache_generated", "delete_cached", "online_option"),
+    "Data loading": ("num_workers", "prefetch", "read_threads", "verify_samples", "vocab_scan_samples"),
+    "Hardware": ("device", "precision", "distributed", "compile"),
+    "Logging": ("log_every", "tensorboard", "report_to", "log_level", "progress"),
+}  # fmt: skip
+
+
+@click.command(
+    "train",
+    cls=SectionedCommand,
+    sections=TRAIN_SECTIONS,
+    context_settings={"help_option_names": ["-h", "--help"], "show_default": True},
+)
 @click.option(
     "--config",
     type=click.Path(exists=True, dir_okay=False),
@@ -123,15 +200,27 @@ def build_train_config(params: dict[str, Any]):
 @click.option("--store", type=click.Path(file_okay=False), help="Hidden-state store directory.")
 @click.option(
     "--verifier",
-    type=click.Path(exists=True, file_okay=False),
-    help="Verifier HF directory (only embeddings, final norm, LM head are read).",
+    "--verifier-name-or-path",
+    "verifier",
+    help="Verifier: a local HF directory or a hub id like Qwen/Qwen3-8B (only config, tokenizer, "
+    "embeddings, final norm and LM head are read, and fetched).",
+)
+@click.option("--revision", help="Branch, tag or commit of a hub --verifier [default: main].")
+@click.option(
+    "--verifier-name",
+    help="speculators_config.verifier.name_or_path in exports [default: the hub id of --verifier, "
+    "else its _name_or_path].",
 )
 @click.option(
-    "--verifier-name", help="speculators_config.verifier.name_or_path in exports (e.g. Qwen/Qwen3-8B)."
+    "--speculator-type",
+    type=str,
+    metavar="[dflash|eagle3]",
+    help="Draft algorithm (default dflash); any registered algorithm name is accepted.",
 )
-@click.option("--speculator-type", type=str, help="dflash | eagle3 (default dflash).")
 @click.option(
-    "--save-path", type=click.Path(file_okay=False), help="Checkpoints, metrics.jsonl, TensorBoard logs."
+    "--save-path",
+    type=click.Path(file_okay=False),
+    help=f"Checkpoints, metrics.jsonl, TensorBoard logs (default {DEFAULT_SAVE_PATH}).",
 )
 @click.option("--epochs", type=int, help="Passes over the training split (default 1).")
 @click.option("--max-steps", type=int, help="Stop after N optimizer steps (also the LR schedule length).")
@@ -197,7 +286,14 @@ def build_train_config(params: dict[str, Any]):
     help="Check each sample's checksum as it is read; bad ones are skipped (default on).",
 )
 @click.option("--log-every", type=int, help="Steps per metrics.jsonl record (default 10).")
-@click.option("--tensorboard", is_flag=True, default=False, help="Also log to <save-path>/tensorboard.")
+@click.option("--tensorboard", is_flag=True, default=False, help="Same as --report-to tensorboard.")
+@click.option(
+    "--report-to",
+    "--logger",
+    "report_to",
+    multiple=True,
+    help="Experiment trackers, comma-separated or repeated: tensorboard (<save-path>/tensorboard), wandb, trackio.",
+)
 @click.option("--device", help="auto | cuda | cpu (default auto).")
 @click.option(
     "--precision", type=click.Choice(["auto", "bf16", "fp32"]), help="auto = bf16 autocast on CUDA."
@@ -300,12 +396,30 @@ def build_train_config(params: dict[str, Any]):
 @click.option(
     "--cache-generated", is_flag=True, default=False, help="Online: keep generated samples in --store."
 )
-@click.option("--prompts", type=click.Path(), help="Online: prompt file (JSONL / Parquet).")
+@click.option(
+    "--prompts",
+    "--data-path",
+    "prompts",
+    help="Online: prompts: a JSONL/JSON/Parquet file, a datasets directory or a hub dataset id.",
+)
+@click.option("--split", help="Online: split of a dataset --prompts (default train).")
+@click.option("--max-samples", type=click.IntRange(min=1), help="Online: rows read from a dataset --prompts.")
+@click.option("--streaming", is_flag=True, default=False, help="Online: stream a hub dataset --prompts.")
+@click.option(
+    "--layer-ids",
+    help="Online: layer ids the servers extract (their eagle_aux_hidden_state_layer_ids), e.g. '2,18,33,36' "
+    "(default: --target-layer-ids plus the last layer, else the algorithm's default).",
+)
 @click.option(
     "--chat-template",
     type=click.Path(exists=True, dir_okay=False),
-    help="The chat template file the prompts were rendered with, when not the verifier's own "
-    "(hsgen generate --chat-template); checked against the store's tokenizer fingerprint.",
+    help="The chat template file the prompts are (online) or were (hsgen generate --chat-template) rendered "
+    "with, when not the verifier's own; checked against the store's tokenizer fingerprint.",
+)
+@click.option(
+    "--template-kwargs",
+    help="Online: extra chat-template variables as JSON, as hsgen generate takes them, e.g. "
+    "'{\"enable_thinking\": false}'.",
 )
 @click.option("--shared-dir", help="Online: the servers' shared_storage_path as seen here (default /tmp).")
 @click.option(
@@ -366,8 +480,7 @@ def _user_cause(e: BaseException) -> str | None:
 @click.argument("out_dir", type=click.Path(file_okay=False))
 @click.option(
     "--verifier",
-    type=click.Path(exists=True, file_okay=False),
-    help="Verifier directory (default: the one trained with).",
+    help="Verifier directory or hub id (default: the one trained with).",
 )
 @click.option("--verifier-name", help="speculators_config.verifier.name_or_path (e.g. Qwen/Qwen3-8B).")
 @click.option(
@@ -382,6 +495,11 @@ def export(checkpoint: str, out_dir: str, verifier: str | None, verifier_name: s
     _setup_logging()
     from spectrain.export import export_draft
     from spectrain.train import load_checkpoint_model
+
+    if verifier:
+        data = {"verifier": verifier}
+        _resolve_verifier(data, None)
+        verifier, verifier_name = data["verifier"], verifier_name or data.get("verifier_name")
 
     try:
         model, resolved = load_checkpoint_model(checkpoint, verifier)

@@ -74,12 +74,12 @@ def build_state(config: ServeConfig, loaded: LoadedModel | None = None) -> Serve
     """Load the model (unless given) and check the configuration against it."""
     config.validate()
     if loaded is None:
-        path = resolve_model_path(config.model, config.tiny_cache_dir)
+        path = resolve_model_path(config.model, config.tiny_cache_dir, config.revision)
         protocol.normalize_layer_ids(
             config.layer_ids, num_hidden_layers_of(path)
         )  # fail before loading weights
         loaded = load_model(
-            config.model, dtype=config.dtype, device=config.device, tiny_cache_dir=config.tiny_cache_dir
+            str(path), dtype=config.dtype, device=config.device, tiny_cache_dir=config.tiny_cache_dir
         )
     extractor = HiddenStateExtractor(loaded, config.layer_ids)
     max_model_len = config.max_model_len or loaded.max_position_embeddings or 2048

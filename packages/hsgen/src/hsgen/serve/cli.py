@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
 
@@ -18,15 +19,25 @@ READY_PREFIX = "hsgen serve: listening on "
 
 @click.command("serve", context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.option(
-    "--model", required=True, help="'tiny' (built-in, built offline) or a local HF causal-LM directory."
+    "--model",
+    required=True,
+    help="'tiny' (built-in, built offline), a local HF causal-LM directory, or a Hugging Face model id "
+    "(e.g. Qwen/Qwen3-8B: resolved in the HF cache first, honouring HF_HUB_OFFLINE and HF_HOME).",
+)
+@click.option("--revision", default=None, help="Branch, tag or commit of a hub --model [default: main].")
+@click.option(
+    "--layer-ids",
+    "--layers",
+    "layers",
+    required=True,
+    help="vLLM layer ids to extract, e.g. '2,18,33,36' (L = last layer, pre-norm).",
 )
 @click.option(
-    "--layers", required=True, help="vLLM layer ids to extract, e.g. '2,18,33,36' (L = last layer, pre-norm)."
-)
-@click.option(
+    "--shared-dir",
     "--shared-storage-path",
+    "shared_storage_path",
     default=protocol.DEFAULT_SHARED_STORAGE_PATH,
-    help="Directory the files are written to.",
+    help="Directory the files are written to (vLLM's shared_storage_path).",
 )
 @click.option("--host", default="127.0.0.1", help="Interface to bind (0.0.0.0 for all).")
 @click.option("--port", default=8000, type=int, help="TCP port (0 = any free port).")
@@ -52,7 +63,8 @@ READY_PREFIX = "hsgen serve: listening on "
     "--dtype",
     default="auto",
     type=click.Choice(["auto", "bfloat16", "float16", "float32"]),
-    help="Model dtype.",
+    help="Model dtype; auto resolves as vLLM does: the checkpoint's dtype, but float32 is served in "
+    "bfloat16 where the device supports it (else float16).",
 )
 @click.option("--device", default="cpu", help="Torch device: cpu, cuda, cuda:1, ...")
 @click.option(
@@ -127,6 +139,8 @@ def config_from_options(opts: dict):
 
     try:
         layer_ids = protocol.parse_layer_ids(opts.pop("layers"))
+        # files are named by absolute path (clients refuse relative ones), whatever the cwd
+        opts["shared_storage_path"] = os.path.abspath(opts["shared_storage_path"])
         capacity = opts.pop("capacity", None)
         faults = opts.pop("faults", None)
         config = ServeConfig(

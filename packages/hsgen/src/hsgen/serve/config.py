@@ -60,8 +60,9 @@ class ServeConfig:
     """Everything ``hsgen serve`` needs; the CLI options map one to one onto these fields.
 
     Attributes:
-        model: ``"tiny"`` (the built-in model, see ``hsgen.tiny``) or a local Hugging Face
-            causal-LM directory. Never downloaded.
+        model: ``"tiny"`` (the built-in model, see ``hsgen.tiny``), a local Hugging Face
+            causal-LM directory, or a model id resolved through the hub cache (:mod:`hsgen.hub`).
+        revision: branch, tag or commit of a model id (default ``main``).
         layer_ids: vLLM layer ids to extract (sorted, unique; ``L`` = last layer before the norm).
         shared_storage_path: directory the files are written to (vLLM's ``shared_storage_path``).
         host: interface to bind.
@@ -89,6 +90,7 @@ class ServeConfig:
 
     model: str
     layer_ids: list[int]
+    revision: str | None = None
     shared_storage_path: str = protocol.DEFAULT_SHARED_STORAGE_PATH
     host: str = "127.0.0.1"
     port: int = 8000

@@ -35,21 +35,30 @@ _DTYPES = {
 }
 
 
-def resolve_model_path(model: str, tiny_cache_dir: str | None = None) -> Path:
-    """``"tiny"`` -> the built-in model directory (built once); anything else must be a local dir.
+def resolve_model_path(model: str, tiny_cache_dir: str | None = None, revision: str | None = None) -> Path:
+    """``"tiny"`` -> the built-in model directory (built once); a Hugging Face model id -> its
+    snapshot in the hub cache (see :mod:`hsgen.hub`); anything else must be a local dir.
 
     Raises:
-        FileNotFoundError: when ``model`` is not a directory with a ``config.json``.
+        FileNotFoundError: when ``model`` is not a directory with a ``config.json`` nor a
+            resolvable model id.
     """
     if model == "tiny":
         from hsgen.tiny import ensure_tiny_model
 
         return Path(ensure_tiny_model(tiny_cache_dir))
+    from hsgen import hub
+
+    if hub.looks_like_hub_id(model):
+        try:
+            return hub.resolve(model, revision=revision, need="full")
+        except hub.HubError as e:
+            raise FileNotFoundError(f"--model {model!r}: {e}") from None
     path = Path(os.path.expanduser(model))
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
             f"--model {model!r}: not 'tiny' and not a local Hugging Face model directory "
-            f"(no {path / 'config.json'}); hsgen serve never downloads models"
+            f"(no {path / 'config.json'}) nor a Hugging Face model id"
         )
     return path
 
@@ -89,7 +98,11 @@ def load_model(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model_path(model, tiny_cache_dir)
-    torch_dtype: Any = "auto" if dtype == "auto" else _DTYPES[dtype]
+    if dtype == "auto":
+        from hsgen.serve.dtypes import resolve_auto_dtype
+
+        dtype = resolve_auto_dtype(path, device)  # as vLLM: a float32 checkpoint is served in bf16
+    torch_dtype: Any = _DTYPES[dtype]
     log.info("loading %s (dtype=%s, device=%s)", path, dtype, device)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True)

@@ -106,9 +106,7 @@ def verify(store: str, as_json: bool, progress: bool | None) -> None:
     Lists each failure and exits with status 1 if there is any, 0 when the store is healthy.
     """
     s = _open(store)
-    if progress is None:
-        progress = sys.stderr.isatty()
-    problems = s.verify(progress=progress)
+    problems = s.verify(progress=progress is not False)  # bar or log lines: see hsgen.progress
     if as_json:
         click.echo(json.dumps({"ok": not problems, "samples": len(s), "problems": problems}))
     else:

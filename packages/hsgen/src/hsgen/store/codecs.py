@@ -140,7 +140,7 @@ class ChecksumStream:
     Feed each array with :meth:`begin` (its total byte length) and then :meth:`update` calls
     covering its bytes in order; :meth:`hexdigest` after the last array equals
     :func:`checksum` of the whole arrays. For ``bsum64`` every piece but an array's last must
-    be a multiple of 4 KiB (the checksum's block).
+    be a multiple of 4 KiB (the checksum's block); ``xxh3`` and ``crc32`` take any pieces.
     """
 
     BLOCK = 8 * 512
@@ -150,6 +150,11 @@ class ChecksumStream:
             raise ValueError(f"unknown checksum algorithm {algorithm!r} (known: {sorted(CHECKSUMS)})")
         self.algorithm = algorithm
         self._h = hashlib.blake2b(digest_size=8)
+        self._xxh = None
+        if algorithm == "xxh3":
+            import xxhash
+
+            self._xxh = xxhash.xxh3_64()
         self._crc = 0
         self._left = 0
         self._rows = np.zeros(0, dtype=np.uint64)  # one sum per whole block of the current array
@@ -162,7 +167,9 @@ class ChecksumStream:
         """Start the next array, of ``nbytes`` bytes."""
         self._finish()
         self._left = nbytes
-        if self.algorithm == "bsum64":
+        if self._xxh is not None:
+            self._xxh.update(nbytes.to_bytes(8, "little"))
+        elif self.algorithm == "bsum64":
             self._h.update(nbytes.to_bytes(8, "little"))
             self._cols = np.zeros(CHECKSUM_BLOCK_WORDS, dtype=np.uint64)
             self._rows = np.empty(nbytes // self.BLOCK, dtype=np.uint64)
@@ -176,6 +183,9 @@ class ChecksumStream:
         self._left -= len(b)
         if self.algorithm == "crc32":
             self._crc = zlib.crc32(b, self._crc)
+            return
+        if self._xxh is not None:
+            self._xxh.update(b)
             return
         full = len(b) // self.BLOCK
         if self._left and len(b) % self.BLOCK:
@@ -201,8 +211,10 @@ class ChecksumStream:
             self._cols, self._tail = None, b""
 
     def hexdigest(self) -> str:
-        """The checksum string (``"bsum64:..."`` or ``"crc32:..."``) of everything fed."""
+        """The checksum string (``"xxh3:..."``, ``"bsum64:..."`` or ``"crc32:..."``) of everything fed."""
         self._finish()
+        if self._xxh is not None:
+            return f"xxh3:{self._xxh.hexdigest()}"
         if self.algorithm == "crc32":
             return f"crc32:{self._crc:08x}"
         return f"bsum64:{self._h.hexdigest()}"
@@ -225,14 +237,27 @@ def _crc32(arrays: Sequence[np.ndarray]) -> str:
     return _stream(arrays, "crc32")
 
 
-CHECKSUMS = {"bsum64": _bsum64, "crc32": _crc32}
-"""Checksum algorithms by the prefix of their string form; writers use ``bsum64``."""
+def _xxh3(arrays: Sequence[np.ndarray]) -> str:
+    return _stream(arrays, "xxh3")
+
+
+CHECKSUMS = {"xxh3": _xxh3, "bsum64": _bsum64, "crc32": _crc32}
+"""Checksum algorithms by the prefix of their string form; readers accept all of them."""
+
+
+def write_checksum(format_version: int) -> str:
+    """The algorithm writers use in a store of ``format_version``: ``xxh3`` from version 2 (2-5x
+    faster than ``bsum64``, see docs/benchmarks.md), ``bsum64`` in version 1 stores, so a store
+    an older hsgen created stays verifiable by it after a newer one appended to it."""
+    return "xxh3" if format_version >= 2 else "bsum64"
 
 
 def checksum(arrays: Sequence[np.ndarray], algorithm: str = "bsum64") -> str:
     """Checksum string of the arrays' bytes, taken in order (C order, little endian).
 
-    ``bsum64`` (default, ~4x faster than CRC-32 with numpy): each array contributes its byte
+    ``xxh3`` (what format-version-2 stores write): XXH3-64 (``xxhash``) over each array's byte
+    length (8 bytes, little endian) followed by its bytes.
+    ``bsum64`` (version 1 stores, ~4x faster than CRC-32 with numpy): each array contributes its byte
     length, the wrapping uint64 sums of every 4 KiB block (rows) and of every word position
     across blocks (columns), and its bytes past the last whole block, all fed to an 8-byte
     blake2b. Any change confined to one or two 8-byte words is always detected. ``crc32``: zlib

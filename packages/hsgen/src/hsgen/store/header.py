@@ -8,7 +8,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""1: sample checksums ``bsum64``; 2: ``xxh3`` (older hsgen refuse to open a version 2 store)."""
 """The newest store format this code reads and the one it writes."""
 
 LOGICAL_DTYPES: dict[str, np.dtype] = {

@@ -112,7 +112,7 @@ def write_shard(
             arrays = (
                 [hidden_parts[i]] + ([scale_parts[i]] if scale_parts else []) + [s.token_ids, s.loss_mask]
             )
-            out.append(C.checksum(arrays))
+            out.append(C.checksum(arrays, C.write_checksum(header.format_version)))
         return out
 
     future = pool.submit(sums)

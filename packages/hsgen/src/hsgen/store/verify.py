@@ -6,7 +6,8 @@ import os
 from typing import TYPE_CHECKING
 
 import numpy as np
-from tqdm import tqdm
+
+from hsgen.progress import progress_bar
 
 from . import codecs as C
 from .errors import StoreError
@@ -23,7 +24,7 @@ def verify_store(store: HiddenStateStore, *, progress: bool = False) -> list[str
     store.refresh()
     problems = list(store._replay.problems)
     live = store._live()
-    bar = tqdm(
+    bar = progress_bar(
         total=sum(s.tokens for s in live), unit="tok", unit_scale=True, disable=not progress, desc="verify"
     )
     for info in live:

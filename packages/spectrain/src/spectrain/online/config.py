@@ -49,6 +49,11 @@ class OnlineConfig:
         max_len: longest prompt in tokens (vLLM needs ``max_model_len - 1``).
         on_too_long: ``"truncate"`` or ``"skip"`` (a skipped prompt is reported as failed).
         chat_template: a template file overriding the verifier's.
+        template_kwargs: extra chat-template variables (e.g. ``{"enable_thinking": false}``),
+            as ``hsgen generate --template-kwargs`` takes them, so both render alike.
+        prompts_split: the split read from a dataset input (hub id or datasets directory).
+        max_prompts: rows read from each dataset input (None: all).
+        prompts_streaming: stream a hub dataset instead of downloading its files first.
         api_key: bearer token for the servers; default ``$VLLM_API_KEY``, the place to keep it (saved
             configs redact it, and never print it).
         failures_path: JSONL file of samples that could not be produced
@@ -84,6 +89,10 @@ class OnlineConfig:
     max_len: int | None = None
     on_too_long: str = "truncate"
     chat_template: str | None = None
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    prompts_split: str = "train"
+    max_prompts: int | None = None
+    prompts_streaming: bool = False
     api_key: str | None = field(default_factory=lambda: os.environ.get("VLLM_API_KEY") or None, repr=False)
     failures_path: str | None = None
     client_options: dict[str, Any] = field(default_factory=dict)
@@ -128,6 +137,13 @@ class OnlineConfig:
         if not kwargs.get("layer_ids"):
             kwargs["layer_ids"] = _default_layer_ids(cfg)
         return cls(**kwargs)
+
+    def prompt_inputs(self) -> list[Any]:
+        """``prompts`` with dataset inputs as :class:`hsgen.hf_datasets.DatasetSpec` (split, max, streaming)."""
+        from hsgen.hf_datasets import as_input
+
+        return [as_input(p, split=self.prompts_split, max_samples=self.max_prompts,
+                         streaming=self.prompts_streaming) for p in self.prompts]  # fmt: skip
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the option for settings that cannot work."""

@@ -33,7 +33,7 @@ class PromptSet:
         if inputs is not None:
             self.inputs = inputs
         else:
-            for sample in read_inputs(config.prompts, on_bad_input="fail"):
+            for sample in read_inputs(config.prompt_inputs(), on_bad_input="fail"):
                 if sample.sample_id in self.inputs:
                     log.warning(
                         "%s: duplicate sample id %r: the first one is used", sample.source, sample.sample_id
@@ -52,6 +52,7 @@ class PromptSet:
             RenderConfig(
                 tokenizer_path=config.verifier if os.path.isdir(config.verifier) else None,
                 chat_template=config.chat_template,
+                template_kwargs=dict(config.template_kwargs),
                 max_len=config.max_len,
                 on_too_long=config.on_too_long,  # type: ignore[arg-type]
             )
