@@ -431,6 +431,16 @@ def spectrain_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "spectrain.cli", *args]
 
 
+def _stored_samples(store: Path) -> int:
+    """Samples a store already holds (0 when it does not exist yet)."""
+    from hsgen.store import HiddenStateStore, StoreError
+
+    try:
+        return len(HiddenStateStore.open(store).sample_ids())
+    except (StoreError, FileNotFoundError):
+        return 0
+
+
 def generate_hidden_states(
     target: Path, train_jsonl: Path, layer_ids: list[int], work: Path, device: str
 ) -> Path:
@@ -439,6 +449,10 @@ def generate_hidden_states(
 
     store = work / "store"
     shared = work / "server-files"
+    wanted = sum(1 for line in train_jsonl.open() if line.strip())
+    if _stored_samples(store) >= wanted:  # a kept store (ablations run side by side share it)
+        log.info("store: %s already holds the %d samples", store, wanted)
+        return store
     threads = torch_threads()
     with running_server(
         target, layer_ids, shared, mode="process", dtype="float32", torch_threads=threads
