@@ -173,6 +173,11 @@ TRAIN_SECTIONS: dict[str, tuple[str, ...]] = {
     "Optimization": ("epochs", "max_steps", "stop_after_steps", "lr", "min_lr_ratio", "schedule", "warmup_steps",
                      "warmup_ratio", "weight_decay", "betas", "max_grad_norm", "max_nonfinite_steps", "total_seq_len",
                      "grad_accum", "seed"),
+    "Optimizer": ("optimizer", "muon_lr", "muon_momentum", "muon_weight_decay", "muon_ns_steps", "muon_adjust_lr"),
+    "Recipe (loss, anchors, attention, Eagle3 norms)": (
+        "recipe", "loss_weighting", "dpace_alpha", "loss_gamma", "loss_norm", "anchor_rule", "block_attention",
+        "sliding_window", "ttt_step_loss_decay", "loss_mask_on", "freeze_lm_head", "norm_before_fc", "norm_output",
+    ),
     "Draft (algorithm options)": ("block_size", "max_anchors", "num_layers", "draft_vocab_size", "mask_token_id",
                                   "ttt_steps", "target_mode", "target_layer_ids", "target_layer_id", "draft_option"),
     "Validation and checkpoints": ("val_fraction", "val_every", "val_max_sequences", "save_every",
