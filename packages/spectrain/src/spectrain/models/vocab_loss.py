@@ -155,11 +155,17 @@ def vocab_loss(
         size = torch.finfo(plan.draft_dtype).bits // 8
         keep_logit_grads = hidden.shape[0] * head_weight.shape[0] * size <= KEEP_BYTES
     plan.keep = keep_logit_grads
+    if (
+        target_head_weight is head_weight
+    ):  # one tensor may enter an autograd function (and torch.compile) once
+        plan.shared_head, target_head_weight = True, None
     side = (target_hidden, target_head_weight, ids, logits, index)
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or head_weight.requires_grad)
     if not needs_grad:
         with torch.autocast(plan.device_type, enabled=False):
-            loss, pred, tgt, _, _, _, _ = _forward_chunks(plan, hidden, head_weight, side)
+            loss, pred, tgt, _, _, _, _ = _forward_chunks(
+                plan, hidden, head_weight, _shared(plan, side, head_weight)
+            )
         return loss, pred, tgt
     return _ChunkedVocabLoss.apply(hidden, head_weight, *side, plan)
 
@@ -175,6 +181,8 @@ class _Plan:
     soft: bool
     rows: int
     keep: bool = False
+    shared_head: bool = False
+    """The verifier's head rows are the draft's (``target_head_weight is head_weight``)."""
 
     @classmethod
     def of(cls, hidden, target_head_weight, soft: bool, rows: int) -> _Plan:
@@ -188,6 +196,11 @@ class _Plan:
         return cls(device_type, dd, td, torch.promote_types(dd, torch.float32), soft, rows)
 
 
+def _shared(plan: _Plan, side: tuple, head_weight: torch.Tensor) -> tuple:
+    """``side`` with the draft's head as the verifier's when they are one tensor."""
+    return (side[0], head_weight, *side[2:]) if plan.shared_head else side
+
+
 def _chunk_targets(plan: _Plan, s: int, e: int, side) -> tuple[torch.Tensor | None, torch.Tensor]:
     """The verifier's fp32 logits of rows ``s:e`` (``soft``; None for ``hard``) and their argmax."""
     th, tw, ids, logits, index = side
@@ -196,7 +209,7 @@ def _chunk_targets(plan: _Plan, s: int, e: int, side) -> tuple[torch.Tensor | No
             if not plan.soft:
                 return None, ids[s:e]
             rows = logits[s:e] if index is None else logits[index[s:e]]
-            return rows.to(plan.acc_dtype), ids[s:e]
+            return rows.to(plan.acc_dtype, copy=True), ids[s:e]  # a copy: the caller works in place
         raw = F.linear(th[s:e].detach().to(plan.target_dtype), tw.detach().to(plan.target_dtype))
         return (raw.to(plan.acc_dtype) if plan.soft else None), raw.argmax(-1)
 
@@ -261,7 +274,7 @@ def _logit_grad(
 class _ChunkedVocabLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, head_weight, target_hidden, target_head_weight, ids, logits, index, plan: _Plan):
-        side = (target_hidden, target_head_weight, ids, logits, index)
+        side = _shared(plan, (target_hidden, target_head_weight, ids, logits, index), head_weight)
         train_head = head_weight.requires_grad
         keep = train_head and plan.keep
         with torch.autocast(plan.device_type, enabled=False):
@@ -282,7 +295,8 @@ class _ChunkedVocabLoss(torch.autograd.Function):
         elif ctx.mode == "recompute":
             soft = plan.soft
             ctx.save_for_backward(hidden, head_weight, target_hidden if soft else None,
-                                  target_head_weight if soft else None, logits if soft else None,
+                                  target_head_weight if soft and not plan.shared_head else None,
+                                  logits if soft else None,
                                   index if soft else None, lse_d, lse_t, tgt)  # fmt: skip
         else:
             ctx.save_for_backward(grad_hidden)
@@ -306,8 +320,9 @@ class _ChunkedVocabLoss(torch.autograd.Function):
             return grad_h, grad_w.to(ctx.head_dtype), *none
         hidden, head_weight, th, tw, logits, index, lse_d, lse_t, tgt = ctx.saved_tensors
         with torch.autocast(plan.device_type, enabled=False):
-            grad_h, grad_w = _backward_chunks(plan, grad_loss, hidden, head_weight, (th, tw, tgt, logits, index),
-                                              lse_d, lse_t, ctx.needs_input_grad[0])  # fmt: skip
+            side = _shared(plan, (th, tw, tgt, logits, index), head_weight)
+            grad_h, grad_w = _backward_chunks(plan, grad_loss, hidden, head_weight, side, lse_d, lse_t,
+                                              ctx.needs_input_grad[0])  # fmt: skip
         return grad_h, grad_w, *none
 
 
