@@ -8,13 +8,18 @@ vocab 32000; fp32 master weights, bf16 autocast, AdamW, FlexAttention. The packe
 documents of random lengths in [S/16, S/3) with the loss on the last 65% of each, as the
 peer's benchmark (``--layout equal --docs N`` for N equal documents, loss everywhere).
 
-Timed (default): forward, backward, clipping, optimizer step on a batch already on the device;
-on a GPU at the reference shape (AdamW, and the default optimizer of ``spectrain train`` too
-when it differs), on CPU at a small shape. Last stdout line: JSON with ``device``,
-``dflash_tokens_per_s``, ``eagle3_tokens_per_s``, ``dflash_peak_gib``, ``eagle3_peak_gib``
-(``torch.cuda.max_memory_allocated``; null on CPU), ``loader_tokens_per_s``, ``dflash_mfu``,
-``eagle3_mfu``, and ``loader_gbps`` / ``loader_ratio`` from ``scripts/bench_loader.py`` (store ->
-packed sequence against a raw ``preadv`` of the same bytes, side by side).
+Timed (default): ``spectrain train``'s own step (``spectrain.step.train_step``: forward,
+backward, clipping, the non-finite check, the update; no host-device sync) on a batch already
+on the device; on a GPU at the reference shape (AdamW, and the default optimizer of
+``spectrain train`` too when it differs), on CPU at a small shape. ``--compile on|both`` times
+the ``torch.compile``'d training forward (``both``: eager and compiled side by side, keys
+``*_compiled`` and ``*_compile_speedup``; ``*_first_step_s`` holds the compile). Last stdout
+line: JSON with ``device``, ``dflash_tokens_per_s``, ``eagle3_tokens_per_s``,
+``dflash_peak_gib``, ``eagle3_peak_gib`` (``torch.cuda.max_memory_allocated``; null on CPU),
+``loader_tokens_per_s``, ``dflash_mfu``, ``eagle3_mfu``, and ``loader_gbps`` / ``loader_ratio``
+from ``scripts/bench_loader.py`` (store -> packed sequence against a raw ``preadv`` of the same
+bytes, side by side). ``--sync-census`` adds ``*_syncs`` (what would synchronise, by source
+line) and ``*_sync_free`` (on CUDA: one step under ``set_sync_debug_mode("error")``).
 
 ``--plan``: no GPU needed. Builds both drafts at the reference shape with the real model classes
 under FakeTensorMode and runs two whole steps through them (``spectrain.accounting``): FLOPs
@@ -195,11 +200,11 @@ def sync_check(step) -> dict:
 
 
 def bench_model(name, opts, shape, device, steps, warmup, layout, docs, optimizer, compile_model,
-                sync_census=False) -> dict:  # fmt: skip
+                sync_census=False, compile_backend="inductor") -> dict:  # fmt: skip
     gpu = device.type == "cuda"
     model, _ = build(name, opts, shape, device, torch.bfloat16 if gpu else torch.float32)
     if compile_model:
-        model.compile_training()
+        model.compile_training(backend=compile_backend)
     opt = make_optimizer(model, optimizer)
     batch = synthetic_batch(shape, 3, device, layout, docs)
     amp = "cuda" if gpu else None
@@ -291,7 +296,7 @@ def run_timed(args) -> dict:
             for kind in optimizers:
                 census = args.sync_census and kind == "adamw" and compiled == modes[0]
                 r = bench_model(name, opts[name], shape, device, steps, warmup, args.layout, args.docs, kind,
-                                compiled, census)  # fmt: skip
+                                compiled, census, args.compile_backend)  # fmt: skip
                 suffix = ("" if kind == "adamw" else f"_{kind}") + ("_compiled" if compiled else "")
                 result[f"{name}_tokens_per_s{suffix}"] = round(r["tokens_per_s"], 1)
                 result[f"{name}_step_ms{suffix}"] = round(r["step_s"] * 1e3, 2)
@@ -444,6 +449,11 @@ def main() -> None:
     ap.add_argument("--compile", choices=["off", "on", "both"], default="off",
                     help="torch.compile the draft's training forward (as train --compile); both: eager and "
                          "compiled side by side (keys *_compiled, *_compile_speedup)")  # fmt: skip
+    ap.add_argument(
+        "--compile-backend",
+        default="inductor",
+        help="torch.compile backend (inductor; aot_eager for a quick CPU smoke)",
+    )
     ap.add_argument(
         "--adamw-only", action="store_true", help="skip the default optimizer when it is not AdamW"
     )
