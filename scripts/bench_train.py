@@ -146,11 +146,13 @@ def build(name: str, opts: dict, shape: dict, device, heads_dtype):
     return model.train(), heads
 
 
-def default_optimizer() -> str:
-    """The optimizer ``spectrain train`` uses by default (AdamW until the recipe says otherwise)."""
+def default_optimizer(algorithm: str) -> str:
+    """The optimizer ``spectrain train`` uses by default for ``algorithm`` (``auto`` resolved)."""
+    from spectrain.models import get_config_class
     from spectrain.train import TrainConfig
 
-    return next((f.default for f in dataclasses.fields(TrainConfig) if f.name == "optimizer"), "adamw")
+    kind = next((f.default for f in dataclasses.fields(TrainConfig) if f.name == "optimizer"), "adamw")
+    return get_config_class(algorithm).default_optimizer if kind == "auto" else kind
 
 
 def make_optimizer(model, kind: str, fused: bool):
@@ -257,14 +259,12 @@ def run_timed(args) -> dict:
     opts = GPU_OPTS if gpu else (TINY_OPTS if args.tiny else CPU_OPTS)
     steps = args.steps or (3 if args.quick or args.tiny else 10)
     warmup = 3 if gpu else 1
-    optimizers = ["adamw"]
-    default = default_optimizer()
-    if default != "adamw" and not args.adamw_only:
-        optimizers.append(default)
     peak = args.peak_tflops * 1e12
     result: dict = {"device": torch.cuda.get_device_name(device) if gpu else "cpu", "shape": shape,
                     "layout": args.layout, "optimizer": "adamw"}  # fmt: skip
     for name in ("dflash", "eagle3"):
+        default = default_optimizer(name)
+        optimizers = ["adamw"] if default == "adamw" or args.adamw_only else ["adamw", default]
         for kind in optimizers:
             r = bench_model(name, opts[name], shape, device, steps, warmup, args.layout, args.docs, kind,
                             args.compile, args.sync_census and kind == "adamw")  # fmt: skip

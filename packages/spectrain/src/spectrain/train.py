@@ -46,6 +46,7 @@ from spectrain.data import token_frequencies as count_tokens
 from spectrain.export import export_draft
 from spectrain.loader import BufferPool
 from spectrain.models.registry import DraftConfig, DraftModel, build_draft, get_config_class
+from spectrain.optim import OptimConfig, Optimizers, build_optimizers, lr_lambda
 from spectrain.verifier import VerifierHeads
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,21 @@ class TrainConfig:
     stop_after_steps: int | None = None
     """Stop (with a checkpoint) at this step without changing the schedule: time-boxed jobs."""
     lr: float = 6e-4
+    """Peak learning rate (AdamW; Muon's too unless ``muon_lr`` is set)."""
+    optimizer: str = "auto"
+    """``adamw``, ``muon`` (``torch.optim.Muon`` on the weight matrices, AdamW on the rest), or
+    ``auto``: the algorithm's measured choice (``DraftConfig.default_optimizer``)."""
+    muon_lr: float | None = None
+    """Muon's peak learning rate (None: ``lr``)."""
+    muon_momentum: float = 0.95
+    muon_weight_decay: float = 0.1
+    muon_ns_steps: int = 5
+    """Newton-Schulz iterations of Muon's orthogonalisation."""
+    muon_adjust_lr: str = "match_rms_adamw"
+    """Muon's per-matrix LR scale: ``match_rms_adamw`` or ``original``."""
+    from_pretrained: str | None = None
+    """Start from an exported draft directory (ours or speculators'): its architecture and
+    weights; ignored when resuming a checkpoint."""
     min_lr_ratio: float = 0.0
     """Final learning rate as a fraction of ``lr``."""
     schedule: str = "cosine"
@@ -88,6 +104,7 @@ class TrainConfig:
     """Linear warmup steps (default: ``warmup_ratio`` of all steps)."""
     warmup_ratio: float = 0.04
     weight_decay: float = 0.0
+    """AdamW's weight decay (with Muon: of the tensors AdamW updates)."""
     betas: tuple[float, float] = (0.9, 0.95)
     max_grad_norm: float = 1.0
     """Gradient clipping by global norm (0 disables)."""
@@ -155,6 +172,13 @@ class TrainConfig:
         d["betas"] = list(self.betas)
         return d
 
+    def optim_config(self, default_optimizer: str = "adamw") -> OptimConfig:
+        """The optimizer settings among these fields (``auto`` resolved to ``default_optimizer``)."""
+        opt = OptimConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(OptimConfig)})
+        if opt.optimizer == "auto":
+            opt.optimizer = default_optimizer
+        return opt
+
     @classmethod
     def from_dict(cls, d: dict[str, Any], *, where: str = "config") -> TrainConfig:
         names = {f.name for f in dataclasses.fields(cls)}
@@ -180,6 +204,7 @@ class TrainConfig:
             raise ValueError(f"distributed: {self.distributed!r} is not ddp | fsdp")
         if self.precision not in ("auto", "bf16", "fp32"):
             raise ValueError(f"precision: {self.precision!r} is not auto | bf16 | fp32")
+        self.optim_config().check()
         for name in ("epochs", "grad_accum", "total_seq_len", "log_every", "max_nonfinite_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
@@ -273,19 +298,6 @@ def resolve_device(cfg: TrainConfig) -> torch.device:
     return torch.device(cfg.device)
 
 
-def lr_lambda(step: int, total: int, warmup: int, schedule: str, min_ratio: float) -> float:
-    """LR multiplier: linear warmup to 1, then cosine/linear decay to ``min_ratio`` (or constant)."""
-    if warmup > 0 and step < warmup:
-        return (step + 1) / warmup
-    if schedule == "constant":
-        return 1.0
-    span = max(1, total - warmup)
-    frac = min(1.0, (step - warmup) / span)
-    if schedule == "cosine":
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
-    return min_ratio + (1 - min_ratio) * (1 - frac)
-
-
 def resolve_layers(draft_cfg: DraftConfig, store_layer_ids: Sequence[int], verifier_layers: int) -> list[int]:
     """Fill ``aux_layer_ids``/``target_layer_id``; return indices into the stored layers (aux..., target)."""
     ids = [int(i) for i in store_layer_ids]
@@ -314,6 +326,12 @@ def resolve_layers(draft_cfg: DraftConfig, store_layer_ids: Sequence[int], verif
         raise ValueError(
             f"eagle3 needs 3 auxiliary layers; pick 3 of the store's {ids} with --target-layer-ids"
         )
+    if aux != sorted(aux):
+        log.warning("aux layer ids %s sorted to %s: vLLM concatenates auxiliary states in ascending order",
+                    aux, sorted(aux))  # fmt: skip
+        aux = sorted(aux)
+    if len(set(aux)) != len(aux):
+        raise ValueError(f"aux layer ids {aux} repeat a layer")
     draft_cfg.aux_layer_ids = tuple(aux)
     draft_cfg.target_layer_id = target
     return [ids.index(i) for i in aux] + [ids.index(target)]
@@ -599,29 +617,30 @@ class Trainer:
         draft_opts = dict(cfg.draft)
         if self.state is not None:
             draft_opts = self.state["draft_config"]
-        self.draft_cfg = cfg_cls.from_dict(draft_opts, where="draft options")
-        self.layer_index = resolve_layers(
-            self.draft_cfg, header.layer_ids, self.verifier.info.num_hidden_layers
-        )
-        self.model: DraftModel = build_draft(self.draft_cfg, self.verifier)
+        layers = self.verifier.info.num_hidden_layers
+        if cfg.from_pretrained and self.state is None:
+            self.model: DraftModel = self._pretrained(cfg.from_pretrained, draft_opts)
+            self.draft_cfg = self.model.cfg
+            self.layer_index = resolve_layers(self.draft_cfg, header.layer_ids, layers)
+        else:
+            self.draft_cfg = cfg_cls.from_dict(draft_opts, where="draft options")
+            self.layer_index = resolve_layers(self.draft_cfg, header.layer_ids, layers)
+            self.model = build_draft(self.draft_cfg, self.verifier)
         if self.state is not None:
             self.model.load_state_dict(self.state["model"])
-        elif self.model.needs_token_counts:
+        elif self.model.needs_token_counts and not cfg.from_pretrained:
             self.model.prepare(self._token_counts())
         self.model.to(self.device)
         self.module = self.model
         self.wrapped = self._wrap(self.model)
-        params = [p for p in self.wrapped.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
-            fused=self.device.type == "cuda",
-        )  # fmt: skip
         self.total_steps = self.state["loop"]["total_steps"] if self.state else self._estimate_total_steps()
         warm = cfg.warmup_steps if cfg.warmup_steps is not None else int(cfg.warmup_ratio * self.total_steps)
         self.warmup = warm
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: lr_lambda(s, self.total_steps, warm, cfg.schedule, cfg.min_lr_ratio)
-        )
+        self.optimizer: Optimizers = build_optimizers(
+            self.wrapped, cfg.optim_config(self.draft_cfg.default_optimizer),
+            lambda s: lr_lambda(s, self.total_steps, warm, cfg.schedule, cfg.min_lr_ratio),
+            fused=self.device.type == "cuda",
+        )  # fmt: skip
         self.global_step = 0
         self.epoch = 0
         self.position = 0
@@ -671,6 +690,19 @@ class Trainer:
         ids = [self.device.index] if self.device.type == "cuda" else None
         return DDP(model, device_ids=ids, broadcast_buffers=False)
 
+    def _pretrained(self, draft_dir: str, options: dict[str, Any]) -> DraftModel:
+        """The exported draft at ``draft_dir`` (its weights, vocabulary map and architecture) with
+        the run's training options set on its config."""
+        from spectrain.draft_io import build_exported_draft, read_draft_algorithm
+
+        algorithm = read_draft_algorithm(draft_dir)
+        if algorithm != self.cfg.speculator_type:
+            raise ValueError(f"--from-pretrained {draft_dir}: a {algorithm} draft, but speculator_type is "
+                             f"{self.cfg.speculator_type}")  # fmt: skip
+        model, _ = build_exported_draft(draft_dir, self.verifier, overrides=options)
+        log.info("starting from %s (%s)", draft_dir, algorithm)
+        return model
+
     def _token_counts(self) -> torch.Tensor:
         vocab = self.verifier.vocab_size
         counts = torch.zeros(vocab, dtype=torch.float64)
@@ -714,14 +746,18 @@ class Trainer:
             raise ValueError(
                 f"{self.resume_dir}: saved under {loop.get('distributed')}, resuming under {self._mode()}"
             )
+        saved_kind = loop.get("optimizer", "adamw")
+        if saved_kind != self.optimizer.kind:
+            raise ValueError(f"{self.resume_dir}: trained with optimizer {saved_kind}, resuming with "
+                             f"{self.optimizer.kind}")  # fmt: skip
         if self._mode() == "fsdp":
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-            set_optimizer_state_dict(self.wrapped, self.optimizer, state["optimizer"],
+            set_optimizer_state_dict(self.wrapped, self.optimizer.optimizers, state["optimizer"],
                                      options=StateDictOptions(full_state_dict=True))  # fmt: skip
         else:
             self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        self.optimizer.load_scheduler_state(state["scheduler"])
         _set_rng_state(state["rng"])
         self.global_step = loop["global_step"]
         self.epoch = loop["epoch"]
@@ -927,11 +963,11 @@ class Trainer:
         if self.info.enabled:  # every rank skips the same steps
             finite = bool(_all_min(int(finite), self.info, self.device))
         if not finite:
-            self.optimizer.zero_grad(set_to_none=True)
+            self.optimizer.zero_grad()
             return total / len(micro), grad_norm, sums.sums, flops, False
         self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad()
+        flops += self.optimizer.flops_per_step
         return total / len(micro), grad_norm, sums.sums, flops, True
 
     def _check_vocab(self, b) -> None:
@@ -970,7 +1006,7 @@ class Trainer:
             "epoch": self.epoch,
             "position": self.position,
             "loss": summ.get("loss", loss),
-            "lr": self.scheduler.get_last_lr()[0],
+            "lr": self.optimizer.lr,
             "grad_norm": grad_norm,
             "tokens_per_s": world_tokens / max(elapsed, 1e-9),
             "data_wait_s": wait / max(steps, 1),
@@ -1031,7 +1067,7 @@ class Trainer:
 
             opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
             return (get_model_state_dict(self.wrapped, options=opts),
-                    get_optimizer_state_dict(self.wrapped, self.optimizer, options=opts))  # fmt: skip
+                    get_optimizer_state_dict(self.wrapped, self.optimizer.optimizers, options=opts))  # fmt: skip
         model = {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
         return model, self.optimizer.state_dict()
 
@@ -1055,7 +1091,7 @@ class Trainer:
             state = {
                 "model": model_sd,
                 "optimizer": optim_sd,
-                "scheduler": self.scheduler.state_dict(),
+                "scheduler": self.optimizer.scheduler_state(),
                 "rng": _rng_state(),
                 "draft_config": self.draft_cfg.to_dict(),
                 "loop": {
@@ -1065,6 +1101,7 @@ class Trainer:
                     "world_size": self.info.world_size,
                     "total_steps": self.total_steps,
                     "distributed": self._mode(),
+                    "optimizer": self.optimizer.kind,
                 },
                 "plans": plans,
             }
