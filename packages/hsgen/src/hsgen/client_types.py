@@ -34,9 +34,12 @@ class ClientConfig:
         breaker_threshold: consecutive transient failures that open an endpoint's breaker.
         breaker_cooldown_s: how long an open breaker rejects requests before one probe.
         check_finite: refuse samples with NaN or infinite values.
+        map_files: map the server's files instead of reading them: one copy less, but a writer
+            that truncates a file later (a hostile server, anyone who can write the shared
+            directory) kills this process with SIGBUS; only for trusted servers and directories.
         delete_files: remove the server's file and lock after reading (vLLM never does).
         max_connections: keep-alive connections per endpoint (0 = unlimited).
-        read_threads: threads mapping and validating files.
+        read_threads: threads reading and validating files.
         max_down_s: end with :class:`FatalError` when no endpoint has answered any request for
             this long (0 = never give up).
         probe_timeout_s: limit for each endpoint's ``GET /v1/models`` in :meth:`HiddenStateClient.probe`.
@@ -60,6 +63,7 @@ class ClientConfig:
     breaker_threshold: int = 5
     breaker_cooldown_s: float = 10.0
     check_finite: bool = True
+    map_files: bool = False
     delete_files: bool = True
     max_connections: int = 0
     read_threads: int = 4
@@ -103,7 +107,8 @@ class FetchedSample:
     Attributes:
         sample_id: the prompt's id.
         hidden_states: ``[T, num_layers, hidden]`` in storage dtype (uint16 bits for bf16),
-            possibly a read-only view of a mapped file (the file itself is already deleted).
+            read into this process's memory, or with ``map_files`` a read-only view of the
+            mapped file (the file itself is already deleted).
         token_ids: ``[T]`` int64, equal to the prompt's ids.
         loss_mask: ``[T]`` uint8.
         dtype: logical dtype of ``hidden_states``.

@@ -1,11 +1,17 @@
-"""The file step: wait for a server's hidden-state file, map it, validate it, remove it.
+"""The file step: wait for a server's hidden-state file, read it, validate it, remove it.
 
 vLLM writes ``<shared dir>/cmpl-<id>-<i>-<hex>.safetensors`` (``docs/serve.md``): before the
 response (0.18-0.21), from a writer pool under ``<file>.lock`` (0.22-0.23) or only after the
 response (0.24+). :class:`HiddenFileReader` waits for the lock to be released or the file to
-appear, maps the file, checks keys, shapes, dtypes, token ids and finite values, and removes the
+appear, reads the file, checks keys, shapes, dtypes, token ids and finite values, and removes the
 file and its lock. Every file operation goes through :class:`~hsgen.shared_dir.SharedDir`: no
 link is followed, no open can block, only regular files are read.
+
+The states are read (``preadv`` into new arrays), not mapped, unless asked (``map_file``): a
+mapping stays tied to the file, and a writer truncating it later, even after it was unlinked,
+kills this process with SIGBUS the next time the samples are touched. Mapping saves a copy, so
+it is offered for servers and shared directories that are trusted.
+``scripts/bench_server_files.py`` measures both (docs/decisions.md).
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import numpy as np
 from hsgen import protocol
 from hsgen.errors import FetchError
 from hsgen.render import RenderedPrompt
-from hsgen.shared_dir import SharedDir, UnsafePath
+from hsgen.shared_dir import SharedDir, UnsafePath, lock_held, remove_own_file
 
 STORAGE_DTYPES = {"bfloat16": np.uint16, "float16": np.float16, "float32": np.float32}
 """Logical dtype -> numpy dtype the states are kept in (bf16 as raw uint16 bits, like the store)."""
@@ -50,14 +56,17 @@ class NotReady(Exception):
     """The file is missing or shorter than its header says (a writer may still be busy)."""
 
 
-def read_hidden_states_fd(fd: int) -> tuple[np.ndarray, np.ndarray, str]:
-    """Map an open vLLM hidden-states safetensors file: ``(hidden_states, token_ids, dtype)``.
+def read_hidden_states_fd(fd: int, *, map_file: bool = False) -> tuple[np.ndarray, np.ndarray, str]:
+    """Read an open vLLM hidden-states safetensors file: ``(hidden_states, token_ids, dtype)``.
 
-    The arrays are read-only views of a private mapping, so no bytes are copied in user space;
-    ``fd`` may be closed afterwards.
+    The header is checked (:func:`hsgen.protocol.read_safetensors_header`), then each tensor is
+    read with ``preadv`` straight into a new array: the arrays are this process's own memory,
+    which nothing done to the file afterwards can change. With ``map_file`` they are read-only
+    views of a private mapping instead (no copy; a writer truncating the file later kills this
+    process with SIGBUS when they are touched). ``fd`` may be closed afterwards.
 
     Raises:
-        NotReady: the file is truncated.
+        NotReady: the file is shorter than its header says (or shrank while it was read).
         protocol.ProtocolError: keys, dtypes or shapes are wrong.
     """
     size = os.fstat(fd).st_size
@@ -82,11 +91,26 @@ def read_hidden_states_fd(fd: int) -> tuple[np.ndarray, np.ndarray, str]:
         raise protocol.ProtocolError(
             f"shapes hidden_states {list(hs.shape)} / token_ids {list(ti.shape)} are not [T, layers, hidden] / [T]"
         )
-    mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0), prot=mmap.PROT_READ)
     storage = np.dtype(STORAGE_DTYPES[hs.dtype])
-    hidden = np.frombuffer(mm, dtype=storage, count=hs.nbytes // storage.itemsize, offset=hs.start)
-    tokens = np.frombuffer(mm, dtype=np.int64, count=ti.shape[0], offset=ti.start)
-    return hidden.reshape(hs.shape), tokens, hs.dtype
+    if map_file:
+        flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0)
+        mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)
+        hidden = np.frombuffer(mm, dtype=storage, count=hs.nbytes // storage.itemsize, offset=hs.start)
+        tokens = np.frombuffer(mm, dtype=np.int64, count=ti.shape[0], offset=ti.start)
+        return hidden.reshape(hs.shape), tokens, hs.dtype
+    return _pread_array(fd, hs, storage), _pread_array(fd, ti, np.dtype(np.int64)), hs.dtype
+
+
+def _pread_array(fd: int, tensor: protocol.TensorInfo, dtype: np.dtype) -> np.ndarray:
+    out = np.empty(tensor.shape, dtype=dtype)
+    view = memoryview(out.reshape(-1)).cast("B")
+    done = 0
+    while done < tensor.nbytes:
+        n = os.preadv(fd, [view[done:]], tensor.start + done)
+        if n == 0:
+            raise NotReady(f"file shrank below byte {tensor.start + done} while it was read")
+        done += n
+    return out
 
 
 def read_hidden_states_file(path: str) -> tuple[np.ndarray, np.ndarray, str]:
@@ -120,6 +144,7 @@ class FileWait:
     settle_s: float
     check_finite: bool
     include_output_tokens: bool
+    map_files: bool = False
 
 
 class HiddenFileReader:
@@ -128,7 +153,7 @@ class HiddenFileReader:
     Args:
         shared: the shared directory handle.
         wait: timeouts and checks.
-        pool: executor that maps and validates files (off the event loop).
+        pool: executor that reads and validates files (off the event loop).
     """
 
     def __init__(self, shared: SharedDir, wait: FileWait, pool):
@@ -195,7 +220,7 @@ class HiddenFileReader:
         if fd is None:
             raise NotReady("file does not exist")
         try:
-            hidden, tokens, dtype = read_hidden_states_fd(fd)
+            hidden, tokens, dtype = read_hidden_states_fd(fd, map_file=self.wait.map_files)
         except protocol.ProtocolError as e:
             raise FetchError("bad_file", f"{path}: {e}", transient=True) from None
         finally:
@@ -226,6 +251,28 @@ class HiddenFileReader:
         self.shared.remove(self.shared.lock_parts(parts))
 
 
+async def remove_misplaced(path: str, request_id: str, wait_s: float) -> None:
+    """Remove a file a server wrote outside the shared directory, once its writer is done.
+
+    Only a file whose name starts with this request's unique id is removed (see
+    :func:`~hsgen.shared_dir.remove_own_file`); waits at most ``wait_s`` for the writer.
+    """
+    lock = protocol.lock_path(path)
+    deadline = time.monotonic() + wait_s
+    seen_lock = False
+    while time.monotonic() < deadline:
+        held = lock_held(lock)
+        seen_lock = seen_lock or held is not None
+        if held is False and os.path.lexists(path):
+            break
+        if held is None and seen_lock:
+            break
+        if held is None and not seen_lock and os.path.lexists(path):
+            break
+        await asyncio.sleep(0.02)
+    remove_own_file(path, request_id)
+
+
 __all__ = [
     "STORAGE_DTYPES",
     "FileWait",
@@ -234,4 +281,5 @@ __all__ = [
     "all_finite",
     "read_hidden_states_fd",
     "read_hidden_states_file",
+    "remove_misplaced",
 ]
