@@ -4,6 +4,11 @@
 the weight matrices with ``torch.optim.Muon`` (every 2-D parameter with both sides > 1 whose
 name holds neither ``embed_tokens`` nor ``lm_head``) and gives the rest (norms, vocabulary
 rows) to AdamW. Both share one schedule: linear warmup, then cosine, linear or no decay.
+
+:meth:`Optimizers.step` takes a ``skip`` flag that stays on the device: fused AdamW reads it as
+its ``found_inf`` (the mechanism ``torch.amp.GradScaler`` uses) and :class:`SkippableMuon` masks
+its update with it, so a step with NaN/inf gradients changes nothing and no step waits for the
+host to read the flag.
 """
 
 from __future__ import annotations
@@ -93,7 +98,7 @@ class Optimizers:
         ``4 m^2 n + 2 m^3`` for an ``m x n`` matrix, ``m <= n``); AdamW's elementwise work is not counted."""
         total = 0.0
         for o in self.optimizers:
-            if type(o).__name__ != "Muon":
+            if not isinstance(o, SkippableMuon):
                 continue
             for group in o.param_groups:
                 for p in group["params"]:
@@ -101,9 +106,28 @@ class Optimizers:
                     total += group["ns_steps"] * (4.0 * m * m * n + 2.0 * m**3)
         return total
 
-    def step(self) -> None:
+    def step(self, skip: torch.Tensor | None = None) -> None:
+        """One update of every optimizer, and the schedule's step.
+
+        Args:
+            skip: a 0-d bool tensor (on the parameters' device): when true the update is not
+                applied (weights, moments and step counters unchanged; the schedule still
+                advances). Read on the device, except by an optimizer that cannot (non-fused
+                AdamW), for which it is read on the host.
+        """
+        if skip is not None and not all(_skips_on_device(o) for o in self.optimizers) and bool(skip):
+            skip = None
+            for s in self.schedulers:
+                s.step()
+            return
+        found_inf = None if skip is None else skip.to(torch.float32)
         for o in self.optimizers:
-            o.step()
+            if found_inf is not None and _skips_on_device(o):
+                o.found_inf = found_inf
+            try:
+                o.step()
+            finally:
+                o.found_inf = None
         for s in self.schedulers:
             s.step()
 
@@ -136,6 +160,51 @@ class Optimizers:
             s.load_state_dict(st)
 
 
+def _skips_on_device(o: torch.optim.Optimizer) -> bool:
+    """Whether ``o.step()`` honours a ``found_inf`` tensor on the device."""
+    return isinstance(o, SkippableMuon) or bool(o.defaults.get("fused"))
+
+
+class SkippableMuon(torch.optim.Muon if hasattr(torch.optim, "Muon") else torch.optim.Optimizer):
+    """``torch.optim.Muon`` whose step is skipped on the device when ``found_inf`` (a float 0-d
+    tensor, 1 = skip) is set, as fused AdamW's is: the gradient is replaced by zeros, the momentum
+    blend weight and the decay become 0 and 1, and the orthogonalised update is multiplied by 0.
+    With ``found_inf`` 0 the arithmetic is Muon's, operation for operation (torch's own
+    Newton-Schulz and learning-rate adjustment)."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is None:
+            return super().step(closure)
+        from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params, grads, bufs = [], [], []
+            self._init_group(group, params, grads, bufs)
+            if not params:
+                continue
+            lr, wd, momentum = group["lr"], group["weight_decay"], group["momentum"]
+            skip = found_inf.to(params[0].device).bool()
+            blend = torch.where(skip, 0.0, 1.0 - momentum)
+            decay = torch.where(skip, 1.0, 1.0 - lr * wd)
+            keep = (~skip).to(torch.bfloat16)
+            for p, g, buf in zip(params, grads, bufs, strict=True):
+                g = torch.where(skip, 0.0, g)
+                buf.lerp_(g, blend)
+                update = g.lerp(buf, momentum) if group["nesterov"] else buf
+                update = _zeropower_via_newtonschulz(update, group["ns_coefficients"], group["ns_steps"],
+                                                     group["eps"])  # fmt: skip
+                update.mul_(keep.to(update.dtype))
+                p.mul_(decay)
+                p.add_(update, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
+        return loss
+
+
 def build_optimizers(
     module: torch.nn.Module, cfg: OptimConfig, multiplier: Callable[[int], float], *, fused: bool = False
 ) -> Optimizers:
@@ -148,8 +217,7 @@ def build_optimizers(
         adam = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
                                  fused=fused)  # fmt: skip
         return Optimizers([adam], multiplier, "adamw")
-    muon_cls = getattr(torch.optim, "Muon", None)
-    if muon_cls is None:
+    if not hasattr(torch.optim, "Muon"):
         raise ValueError(
             f"optimizer: muon needs torch.optim.Muon (torch >= 2.9), this is torch {torch.__version__}"
         )
@@ -158,7 +226,7 @@ def build_optimizers(
     opts: list[torch.optim.Optimizer] = []
     if matrices:
         opts.append(
-            muon_cls(
+            SkippableMuon(
                 matrices,
                 lr=cfg.muon_lr if cfg.muon_lr is not None else cfg.lr,
                 momentum=cfg.muon_momentum,

@@ -306,7 +306,12 @@ TRAIN_SECTIONS: dict[str, tuple[str, ...]] = {
 @click.option(
     "--distributed", type=click.Choice(["ddp", "fsdp"]), help="Strategy under torchrun (default ddp)."
 )
-@click.option("--compile", is_flag=True, default=False, help="torch.compile the draft layers.")
+@click.option(
+    "--compile",
+    is_flag=True,
+    default=False,
+    help="torch.compile the draft's whole training forward (loss included; off until measured on a GPU).",
+)
 @click.option(
     "--vocab-scan-samples",
     type=int,

@@ -37,12 +37,15 @@ TARGET_MODES = ("soft", "hard")
 def vocab_loss(
     hidden: torch.Tensor,
     head_weight: torch.Tensor,
-    target_hidden: torch.Tensor,
-    target_head_weight: torch.Tensor,
-    mode: str,
+    target_hidden: torch.Tensor | None = None,
+    target_head_weight: torch.Tensor | None = None,
+    mode: str = "hard",
+    *,
+    targets=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Every vocabulary-sized computation of a training step: the draft's head, the verifier's
-    head and the per-row loss between them.
+    head and the per-row loss between them (the eager reference of
+    :func:`spectrain.models.vocab_loss.vocab_loss`, which the drafts call).
 
     Args:
         hidden: ``[N, H]`` the draft's final (normed) states; gradients flow to it.
@@ -51,6 +54,8 @@ def vocab_loss(
         target_head_weight: ``[V, H]`` the verifier's LM-head rows of the same ``V`` tokens.
         mode: ``soft``: KL(verifier || draft) over the ``V`` rows; ``hard``: cross-entropy
             against the verifier's argmax over the ``V`` rows.
+        targets: the verifier's side computed beforehand
+            (:class:`~spectrain.models.vocab_loss.VerifierTargets`), in place of the two above.
 
     Returns:
         ``(loss [N] float32, draft argmax [N], verifier argmax [N])``; argmaxes index the ``V``
@@ -60,12 +65,18 @@ def vocab_loss(
         raise ValueError(f"unknown target_mode {mode!r} (soft | hard)")
     autocast = torch.is_autocast_enabled(hidden.device.type)
     logits = F.linear(hidden, head_weight if autocast else head_weight.to(hidden.dtype))
-    with torch.no_grad():
-        th = target_hidden if autocast else target_hidden.to(target_head_weight.dtype)
-        target = F.linear(th, target_head_weight)
     acc = torch.promote_types(logits.dtype, torch.float32)
     logp = F.log_softmax(logits.to(acc), dim=-1)
-    target_ids = target.argmax(-1)
+    if targets is not None:
+        target_ids = targets.ids
+        target = None
+        if mode == "soft":
+            target = targets.logits if targets.index is None else targets.logits[targets.index]
+    else:
+        with torch.no_grad():
+            th = target_hidden if autocast else target_hidden.to(target_head_weight.dtype)
+            target = F.linear(th, target_head_weight)
+        target_ids = target.argmax(-1)
     if mode == "soft":
         p = F.softmax(target.to(acc), dim=-1)
         loss = F.kl_div(logp, p, reduction="none").sum(-1)
@@ -105,10 +116,10 @@ def chain_metrics(correct: torch.Tensor, valid: torch.Tensor) -> dict[str, torch
     acc_total = valid.bool().sum(0).to(torch.float64)
     run = torch.cumprod(correct.to(torch.int64), dim=1).sum(1)
     chains = valid[:, 0].bool()
-    return {
+    return {  # masked sums, not boolean indexing: fixed shapes, no host-device sync
         "acc_correct": acc_correct,
         "acc_total": acc_total,
-        "accepted_sum": run[chains].sum().to(torch.float64),
+        "accepted_sum": (run * chains).sum().to(torch.float64),
         "chains": chains.sum().to(torch.float64),
     }
 

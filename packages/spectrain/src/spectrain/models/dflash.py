@@ -189,7 +189,6 @@ class DFlashDraft(DraftModel):
             self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
             self.register_buffer("t2d", torch.zeros(verifier.vocab_size, dtype=torch.bool))
         self.reset_parameters()
-        self.last_flops = 0.0
 
     # ------------------------------------------------------------------ vocabulary
 
@@ -230,7 +229,9 @@ class DFlashDraft(DraftModel):
         return dflash_mask(doc_ids, anchors, anchor_docs, cfg.block_size,
                            causal=cfg.block_attention == "causal", window=cfg.sliding_window)  # fmt: skip
 
-    def _run_blocks(self, ctx, ctx_pos, anchor_tokens, anchor_pos, spec: MaskSpec, device) -> torch.Tensor:
+    def _run_blocks(
+        self, ctx, ctx_pos, anchor_tokens, anchor_pos, mask: PreparedMask, device
+    ) -> torch.Tensor:
         """Draft layers over ``N`` blocks; returns final-normed states ``[N, B, H]``."""
         N, B = int(anchor_tokens.shape[0]), self.cfg.block_size
         ids = torch.full((N, B), self.mask_token_id, dtype=torch.int64, device=device)
@@ -239,7 +240,6 @@ class DFlashDraft(DraftModel):
         pos_q = (anchor_pos[:, None] + torch.arange(B, device=device)[None, :]).reshape(-1)
         rope_q = rope_cos_sin(pos_q, self.head_dim, self.theta)
         rope_k = rope_cos_sin(torch.cat([ctx_pos, pos_q]), self.head_dim, self.theta)
-        mask = PreparedMask(spec, self.backend(device))
         for layer in self.layers:
             x = layer(x, ctx, rope_q, rope_k, mask)
         return self.norm(x).view(N, B, -1)
@@ -254,17 +254,51 @@ class DFlashDraft(DraftModel):
             batch.loss_mask & (batch.doc_ids >= 0) & (slots + B <= batch.doc_ends) & (batch.position_ids >= 1)
         )
 
+    def draw_anchors(
+        self, batch: Batch, generator: torch.Generator | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(anchors [N], valid [N])``, ``N = min(max_anchors, S)``: up to ``max_anchors`` slots drawn
+        uniformly from :meth:`anchor_candidates`, ascending, then padding (slot 0, not valid).
+
+        Fixed shapes on the batch's device, no host-device sync. The ``i``-th candidate (in slot
+        order) scores ``rand(S)[i]`` and the top ``max_anchors`` scores win, so where there are
+        more candidates than anchors a CPU generator draws what it drew before shapes were fixed.
+        """
+        cand = self.anchor_candidates(batch)
+        S, device = batch.seq_len, cand.device
+        n = min(self.cfg.max_anchors, S)
+        noise = torch.rand(
+            S, generator=generator, device=generator.device if generator is not None else device
+        )
+        noise = noise.to(device, non_blocking=True)
+        rank = (torch.cumsum(cand, 0) - 1).clamp(min=0)
+        score = torch.where(cand, noise[rank], -1.0)
+        top = score.topk(n).indices
+        slots = torch.where(cand[top], top, S).sort().values
+        valid = slots < S
+        return torch.where(valid, slots, 0), valid
+
     def sample_anchors(self, batch: Batch, generator: torch.Generator | None = None) -> torch.Tensor:
-        """Sorted anchor slots: up to ``max_anchors`` drawn uniformly from :meth:`anchor_candidates`."""
-        cand = self.anchor_candidates(batch).nonzero().flatten()
-        if cand.numel() > self.cfg.max_anchors:
-            scores = torch.rand(cand.numel(), generator=generator)
-            pick = scores.topk(self.cfg.max_anchors).indices.to(cand.device)
-            cand = cand[pick].sort().values
-        return cand
+        """The valid anchors of :meth:`draw_anchors`, sorted (reads their count: a sync on CUDA)."""
+        anchors, valid = self.draw_anchors(batch, generator)
+        return anchors[valid]
+
+    def draw(self, batch: Batch, generator: torch.Generator | None = None):
+        """``(anchors, valid, mask)``: :meth:`draw_anchors` and the blocks' attention mask."""
+        anchors, valid = self.draw_anchors(batch, generator)
+        return anchors, valid, self._prepared_mask(batch, anchors, valid)
+
+    def _prepared_mask(self, batch: Batch, anchors: torch.Tensor, anchor_valid: torch.Tensor) -> PreparedMask:
+        anchor_docs = torch.where(anchor_valid, batch.doc_ids[anchors], torch.full_like(anchors, -2))
+        spec = self._mask(batch.doc_ids, anchors, anchor_docs)
+        return PreparedMask(spec, self.backend(batch.input_ids.device))
 
     def block_states(
-        self, batch: Batch, anchors: torch.Tensor, anchor_valid: torch.Tensor
+        self,
+        batch: Batch,
+        anchors: torch.Tensor,
+        anchor_valid: torch.Tensor,
+        mask: PreparedMask | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The draft's states for the ``N`` blocks at ``anchors`` and what they are trained on.
 
@@ -275,11 +309,11 @@ class DFlashDraft(DraftModel):
         """
         device = batch.input_ids.device
         B = self.cfg.block_size
-        anchor_docs = torch.where(anchor_valid, batch.doc_ids[anchors], torch.full_like(anchors, -2))
+        if mask is None:
+            mask = self._prepared_mask(batch, anchors, anchor_valid)
         ctx = self.context_features(batch.aux_hidden)
-        spec = self._mask(batch.doc_ids, anchors, anchor_docs)
         out = self._run_blocks(ctx, batch.position_ids, batch.input_ids[anchors], batch.position_ids[anchors],
-                               spec, device)  # fmt: skip
+                               mask, device)  # fmt: skip
         k = torch.arange(1, B, device=device)
         label_slots = (anchors[:, None] + k[None, :]).clamp(max=batch.seq_len - 1)
         valid = batch.loss_mask[label_slots].bool() & anchor_valid[:, None]
@@ -293,63 +327,56 @@ class DFlashDraft(DraftModel):
         decay = loss_decay_weights(cfg.block_size - 1, self.gamma, loss.device)
         return decay[None, :].to(loss.dtype) * valid.to(loss.dtype)
 
-    def forward(
-        self, batch: Batch, generator: torch.Generator | None = None
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Loss on one packed sequence, and metric sums over the drawn anchors."""
-        device = batch.input_ids.device
-        B = self.cfg.block_size
-        anchors = self.sample_anchors(batch, generator)
-        n_real = int(anchors.shape[0])
-        if n_real == 0:
-            zero = sum(p.sum() for p in self.parameters() if p.requires_grad) * 0.0
-            K = B - 1
-            z = torch.zeros(K, dtype=torch.float64, device=device)
-            s = torch.zeros((), dtype=torch.float64, device=device)
-            self.last_flops = 0.0
-            return zero, {"acc_correct": z, "acc_total": z.clone(), "accepted_sum": s, "chains": s.clone(),
-                          "loss_sum": s.clone(), "weight_sum": s.clone()}  # fmt: skip
-        anchor_valid = torch.ones(n_real, dtype=torch.bool, device=device)
-        if self.backend(device) == "flex" and n_real < self.cfg.max_anchors:
-            pad = self.cfg.max_anchors - n_real
-            anchors = torch.cat([anchors, anchors.new_zeros(pad)])
-            anchor_valid = torch.cat([anchor_valid, anchor_valid.new_zeros(pad)])
-        h, label_slots, valid = self.block_states(batch, anchors, anchor_valid)
+    def training_loss(
+        self, batch: Batch, draws
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, Any]]:
+        """Loss on one packed sequence, and metric sums over the drawn anchors (padding anchors
+        weigh nothing: a sequence without any gives loss 0, zero gradients and zero sums)."""
+        anchors, anchor_valid, mask = draws
+        K = self.cfg.block_size - 1
+        h, label_slots, valid = self.block_states(batch, anchors, anchor_valid, mask)
         N = h.shape[0]
-        target_hidden = self.verifier.norm(batch.last_hidden[label_slots - 1].reshape(N * (B - 1), -1))
+        target_hidden = self.verifier.norm(batch.last_hidden[label_slots - 1].reshape(N * K, -1))
         head = self._head_rows()
-        rows, pred, tgt = vocab_loss(
-            h.reshape(N * (B - 1), -1), head, target_hidden, head, self.cfg.target_mode
-        )
-        rows = rows.view(N, B - 1)
+        rows, pred, tgt = vocab_loss(h.reshape(N * K, -1), head, target_hidden, head, self.cfg.target_mode)
+        rows = rows.view(N, K)
         w = self.position_weights(rows, valid)
-        if self.cfg.loss_norm == "count":
-            denom = valid.sum().to(rows.dtype) + 1e-5
-        else:
-            denom = w.sum().clamp_min(1e-6)
+        weight_sum = valid.sum().to(rows.dtype) if self.cfg.loss_norm == "count" else w.sum()
+        denom = weight_sum + 1e-5 if self.cfg.loss_norm == "count" else weight_sum.clamp_min(1e-6)
         loss = (rows * w).sum() / denom
-        correct = (pred == tgt).view(N, B - 1)
+        correct = (pred == tgt).view(N, K)
         draft_ids = self._draft_ids()
         if draft_ids is not None:
             pred = draft_ids[pred]
-        self.last_anchors = anchors[anchor_valid].detach()
-        self.last_predictions = pred.view(N, B - 1)[anchor_valid]
-        metrics = chain_metrics(correct[anchor_valid], valid[anchor_valid])
+        metrics = chain_metrics(correct, valid)
         metrics["loss_sum"] = (rows.detach() * w).sum().double()
-        metrics["weight_sum"] = denom.detach().double()
-        self.last_flops = self._flops(batch, anchors[anchor_valid], N)
-        return loss, metrics
+        metrics["weight_sum"] = weight_sum.detach().double()  # 0 without anchors, as on a rank with none
+        outputs = {"anchors": anchors, "anchor_valid": anchor_valid, "predictions": pred.view(N, K),
+                   "flops": self._flops(batch, anchors, anchor_valid)}  # fmt: skip
+        return loss, metrics, outputs
 
-    def _flops(self, batch: Batch, anchors: torch.Tensor, n_blocks: int) -> float:
+    @property
+    def last_anchors(self) -> torch.Tensor:
+        """The valid anchors of the last forward (reads their count: a sync on CUDA)."""
+        return self.last_outputs["anchors"][self.last_outputs["anchor_valid"]]
+
+    @property
+    def last_predictions(self) -> torch.Tensor:
+        """``[anchors, B-1]`` greedy proposals (verifier ids) of the last forward's valid blocks."""
+        return self.last_outputs["predictions"][self.last_outputs["anchor_valid"]]
+
+    def _flops(self, batch: Batch, anchors: torch.Tensor, anchor_valid: torch.Tensor) -> torch.Tensor:
+        """Matmul FLOPs of the valid blocks, forward + backward (a float64 device tensor)."""
         B, H, S = self.cfg.block_size, self.hidden, batch.seq_len
-        Q = n_blocks * B
+        n = anchor_valid.sum().double()
+        Q = n * B
         qd, kvd = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        ctx_keys = float(batch.position_ids[anchors].sum().item()) + len(anchors) * B
+        ctx_keys = (batch.position_ids[anchors] * anchor_valid).sum().double() + n * B
         pairs = ctx_keys * B
         layer = 2 * Q * H * qd * 2 + 2 * (S + Q) * H * kvd * 2 + 2 * Q * H * self.intermediate * 3
-        layer += 4 * pairs * qd
+        layer = layer + 4 * pairs * qd
         vocab = self.cfg.draft_vocab_size if self.reduced else self.verifier.vocab_size
-        rows = n_blocks * (B - 1)
+        rows = n * (B - 1)
         head = 2 * rows * H * vocab * 3  # draft head forward + input gradient, verifier head forward
         fc = 2 * S * self.fc.in_features * H
         return 3.0 * (len(self.layers) * layer + fc) + head
@@ -386,7 +413,8 @@ class DFlashDraft(DraftModel):
         doc = torch.zeros(T, dtype=torch.int64, device=device)
         anchor = torch.tensor([T], device=device)
         spec = self._mask(doc, anchor, torch.zeros(1, dtype=torch.int64, device=device))
-        out = self._run_blocks(ctx, torch.arange(T, device=device), tokens[-1:], anchor, spec, device)
+        mask = PreparedMask(spec, self.backend(device))
+        out = self._run_blocks(ctx, torch.arange(T, device=device), tokens[-1:], anchor, mask, device)
         draft_ids = self._draft_ids()
         h = out[0, 1 : n + 1]
         pred = torch.nn.functional.linear(h, self._head_rows().to(h.dtype)).argmax(-1)

@@ -28,7 +28,7 @@ from spectrain.models.common import build_vocab_map, chain_metrics, draft_to_tar
 from spectrain.models.dflash import qwen3_layer_config, speculators_config
 from spectrain.models.layers import MLP, MaskSpec, PreparedMask, RMSNorm, apply_rope, rope_cos_sin
 from spectrain.models.registry import DraftConfig, DraftContext, DraftModel, register
-from spectrain.models.vocab_loss import vocab_loss
+from spectrain.models.vocab_loss import verifier_targets, vocab_loss
 from spectrain.verifier import VerifierHeads
 
 log = logging.getLogger(__name__)
@@ -167,12 +167,15 @@ class Eagle3Draft(DraftModel):
         self.norm = RMSNorm(H, self.eps)
         self.input_norm = RMSNorm(3 * H, self.eps) if cfg.norm_before_fc else None
         self.lm_head = nn.Linear(H, dv, bias=False)
+        if cfg.freeze_lm_head:  # the verifier's rows in its dtype: no fp32 master copy, no gradient
+            self.lm_head.weight = nn.Parameter(
+                torch.empty(dv, H, dtype=verifier.lm_head.dtype, device=self.lm_head.weight.device),
+                requires_grad=False,
+            )
         self.register_buffer("d2t", torch.zeros(dv, dtype=torch.int64))
         self.register_buffer("t2d", torch.zeros(vocab, dtype=torch.bool))
         self.reset_parameters()
         self.prepare(torch.zeros(vocab))
-        self.lm_head.weight.requires_grad_(not cfg.freeze_lm_head)
-        self.last_flops = 0.0
 
     def prepare(self, token_counts: torch.Tensor | None) -> None:
         """Build d2t/t2d from token counts and start ``lm_head`` from the verifier's rows."""
@@ -218,17 +221,30 @@ class Eagle3Draft(DraftModel):
         valid = inside & (lab < batch.doc_ends) & batch.loss_mask[lab.clamp(max=S - 1)].bool()
         return src_c, inside, valid
 
-    def forward(
-        self, batch: Batch, generator: torch.Generator | None = None
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """TTT loss on one packed sequence, and metric sums (chains start at every valid slot)."""
+    def draw(self, batch: Batch, generator: torch.Generator | None = None) -> list[PreparedMask]:
+        """The attention mask of each TTT step (no random draws)."""
+        backend = self.backend(batch.input_ids.device)
+        return [PreparedMask(ttt_mask(batch.doc_ids, j, self.cfg.sliding_window), backend)
+                for j in range(self.cfg.ttt_steps)]  # fmt: skip
+
+    def training_loss(
+        self, batch: Batch, draws
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, Any]]:
+        """TTT loss on one packed sequence, and metric sums (chains start at every valid slot).
+
+        The verifier's targets over the draft vocabulary are formed once for all ``S`` slots; step
+        ``j`` reads them shifted by ``j`` (a TTT step at ``t`` is trained on slot ``t + j + 1``).
+        """
         cfg: Eagle3Config = self.cfg
+        masks = draws if draws is not None else self.draw(batch)
         device = batch.input_ids.device
         S, K = batch.seq_len, cfg.ttt_steps
         draft_ids = draft_to_target_ids(self.d2t)
-        target_head = self.verifier.lm_head.index_select(0, draft_ids)
         with torch.no_grad():
             target_hidden = self.verifier.norm(batch.last_hidden)
+        targets = verifier_targets(
+            target_hidden, self.verifier.lm_head.index_select(0, draft_ids), cfg.target_mode
+        )
         hidden = self.context_features(batch.aux_hidden.reshape(S, -1))
         keys, values = [], []
         total = hidden.new_zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32))
@@ -243,12 +259,11 @@ class Eagle3Draft(DraftModel):
             q, k, v = self.layer.self_attn.qkv(x, rope)
             keys.append(k)
             values.append(v)
-            mask = PreparedMask(ttt_mask(batch.doc_ids, j, cfg.sliding_window), self.backend(device))
-            attn = mask(q, torch.cat(keys, dim=1), torch.cat(values, dim=1))
+            attn = masks[j](q, torch.cat(keys, dim=1), torch.cat(values, dim=1))
             prenorm = self.layer.post_attention(attn, residual)
             normed = self.norm(prenorm)
-            rows, pred, tgt = vocab_loss(normed, self.lm_head.weight, target_hidden[src_c], target_head,
-                                         cfg.target_mode)  # fmt: skip
+            rows, pred, tgt = vocab_loss(normed, self.lm_head.weight, mode=cfg.target_mode,
+                                         targets=targets.take(src_c))  # fmt: skip
             w = valid.to(rows.dtype)
             denom = w.sum() + 1e-5 if cfg.loss_norm == "count" else w.sum().clamp_min(1.0)
             step_w = cfg.ttt_step_loss_decay**j
@@ -260,24 +275,28 @@ class Eagle3Draft(DraftModel):
             valids.append(valid)
             hidden = normed if cfg.norm_output else prenorm
         loss = total / wsum if cfg.loss_norm == "weight" else total
-        self.last_predictions = torch.stack(preds, 1)  # [S, K] target ids
         metrics = chain_metrics(torch.stack(corrects, 1), torch.stack(valids, 1))
         metrics["loss_sum"] = loss_sum
         metrics["weight_sum"] = torch.stack(valids).sum().double()
-        self.last_flops = self._flops(batch)
-        return loss, metrics
+        return loss, metrics, {"predictions": torch.stack(preds, 1), "flops": self._flops(batch)}
 
-    def _flops(self, batch: Batch) -> float:
+    @property
+    def last_predictions(self) -> torch.Tensor:
+        """``[S, K]`` the last forward's greedy proposals (verifier ids) of every TTT step."""
+        return self.last_outputs["predictions"]
+
+    def _flops(self, batch: Batch) -> torch.Tensor:
+        """Matmul FLOPs of forward + backward (a float64 device tensor)."""
         H, S, K = self.hidden, batch.seq_len, self.cfg.ttt_steps
         qd, kvd = self.heads * self.head_dim, self.kv_heads * self.head_dim
         real = batch.doc_ids >= 0
-        pairs0 = float((batch.position_ids[real] + 1).sum().item())
+        pairs0 = ((batch.position_ids + 1) * real).sum().double()
         per_step = 2 * S * 2 * H * (qd + 2 * kvd) + 2 * S * qd * H + 2 * S * H * self.intermediate * 3
         attn = sum(4 * qd * (pairs0 + j * S) for j in range(K))
         trainable = K * per_step + attn + 2 * S * 3 * H * H
         head = 2 * S * H * self.draft_vocab
         head_passes = 2 if self.cfg.freeze_lm_head else 3  # forward, input gradient (, weight gradient)
-        return 3.0 * trainable + K * head * (head_passes + 1)  # + the verifier's rows, forward
+        return 3.0 * trainable + K * head * head_passes + head  # + the verifier's rows, once
 
     @torch.no_grad()
     def propose(self, context: DraftContext, num_tokens: int | None = None) -> list[int]:
@@ -318,7 +337,7 @@ class Eagle3Draft(DraftModel):
                                                   enable_gqa=self.heads != self.kv_heads)[0]  # fmt: skip
             prenorm = self.layer.post_attention(attn, residual)
             normed = self.norm(prenorm[-1:])
-            nxt = draft_ids[self.lm_head(normed).argmax(-1)]
+            nxt = draft_ids[F.linear(normed, self.lm_head.weight.to(normed.dtype)).argmax(-1)]
             out.append(int(nxt.item()))
             fed = normed if self.cfg.norm_output else prenorm[-1:]
             hidden = torch.cat([hidden, fed.to(hidden.dtype)])

@@ -134,7 +134,14 @@ class DraftContext:
 
 
 class DraftModel(nn.Module):
-    """Base of all drafts. Holds the frozen :class:`VerifierHeads` outside the module tree."""
+    """Base of all drafts. Holds the frozen :class:`VerifierHeads` outside the module tree.
+
+    A training forward is two parts: :meth:`draw` (eager: the step's random draws and attention
+    masks, on the batch's device, in shapes that do not depend on the data) and
+    :meth:`training_loss` (everything else, with no data-dependent shape and no host-device
+    sync, so :meth:`compile_training` can compile it whole). Subclasses implement those two, or
+    override :meth:`forward` itself.
+    """
 
     config_class: ClassVar[type[DraftConfig]]
 
@@ -142,14 +149,54 @@ class DraftModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.__dict__["verifier"] = verifier
+        self.__dict__["_compiled_loss"] = None
+        self.last_flops: torch.Tensor | float = 0.0
+        """Matmul FLOPs of the last forward + its backward (a device tensor: read it at log time)."""
+        self.last_outputs: dict[str, torch.Tensor] = {}
 
     @property
     def verifier(self) -> VerifierHeads:
         return self.__dict__["verifier"]
 
-    def forward(self, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Loss and metric sums (``acc_correct [K]``, ``acc_total [K]``, ``accepted_sum``, ``chains``)."""
+    def forward(
+        self, batch: Batch, generator: torch.Generator | None = None
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Loss and metric sums (``acc_correct [K]``, ``acc_total [K]``, ``accepted_sum``, ``chains``,
+        ``loss_sum``, ``weight_sum``) on one packed sequence; no host-device sync.
+
+        ``generator`` (on the batch's device) drives every random draw: the trainer derives it
+        from the step, so a resumed run repeats the draws.
+        """
+        draws = self.draw(batch, generator)
+        fn = self.__dict__["_compiled_loss"] or self.training_loss
+        loss, metrics, outputs = fn(batch, draws)
+        self.last_flops = outputs.pop("flops", 0.0)
+        self.last_outputs = outputs
+        return loss, metrics
+
+    def draw(self, batch: Batch, generator: torch.Generator | None = None) -> Any:
+        """The step's random draws and attention masks (eager, fixed shapes); passed to :meth:`training_loss`."""
+        return None
+
+    def training_loss(
+        self, batch: Batch, draws: Any
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, Any]]:
+        """``(loss, metric sums, outputs)``; ``outputs`` may hold ``flops`` (see :attr:`last_flops`)
+        and what tests and tools read afterwards (:attr:`last_outputs`)."""
         raise NotImplementedError
+
+    def compile_training(self, enable: bool = True, **options: Any) -> None:
+        """``torch.compile`` :meth:`training_loss` (``options`` go to ``torch.compile``; default
+        ``dynamic=False``: a run's packed sequences all have one shape). A subclass that overrides
+        :meth:`forward` instead gets its forward compiled."""
+        if not enable:
+            self.__dict__["_compiled_loss"] = None
+            return
+        options.setdefault("dynamic", False)
+        if type(self).training_loss is DraftModel.training_loss:
+            self.compile(**options)
+            return
+        self.__dict__["_compiled_loss"] = torch.compile(self.training_loss, **options)
 
     @torch.no_grad()
     def propose(self, context: DraftContext, num_tokens: int | None = None) -> list[int]:
