@@ -11,14 +11,17 @@ No model can be downloaded, so the script builds a small but real target first:
    out for evaluation); the target continues each greedily, as the DFlash and EAGLE papers
    regenerate responses with the target. The reference server (``hsgen serve``) and
    ``hsgen generate`` land the hidden states in a store, exactly as with vLLM.
-3. **Drafts.** ``spectrain train`` trains a DFlash and an Eagle3 draft with the same budget
-   (same samples, epochs, learning rate), ``spectrain export`` writes vLLM directories, and an
-   untrained DFlash draft is exported as the baseline.
+3. **Drafts.** ``spectrain train`` trains a DFlash and an Eagle3 draft on the same data (same
+   samples and epochs; each at its own swept learning rate), ``spectrain export`` writes vLLM
+   directories, and an untrained DFlash draft is exported as the baseline.
 4. **Eval.** ``spectrain eval``'s speculative decoding (greedy verification, outputs checked
    against the target's own greedy decoding) on held-out prompts.
 
 The last stdout line is JSON with ``tau_dflash``, ``tau_eagle3``, ``tau_baseline``,
-``exact_match``. Sizes: ``--quick`` (~70 s on 2 CPU cores once its target is cached, ~100 s before), the default (~30 minutes on
+``exact_match``. Ablations: ``--only dflash --train-args '--optimizer muon' --tag muon --work DIR``
+trains and evaluates one draft with extra ``spectrain train`` flags against the store kept in
+``DIR`` (the last line then holds that draft's ``tau``, per-position acceptance, training FLOPs
+and CPU step time). Sizes: ``--quick`` (~70 s on 2 CPU cores once its target is cached, ~100 s before), the default (~30 minutes on
 CPU) and ``--size gpu`` (chosen automatically when CUDA is available).
 """
 
@@ -33,6 +36,7 @@ import logging
 import math
 import os
 import random
+import shlex
 import shutil
 import subprocess
 import sys
@@ -88,7 +92,9 @@ class BenchSize:
     eval_new_tokens: int
     draft_epochs: int
     """Passes over the training prompts, the same for both drafts (the equal budget)."""
-    draft_lr: float
+    dflash_lr: float
+    """Peak learning rate of each draft, swept on this size with its default optimizer."""
+    eagle3_lr: float
     draft_seq_len: int
     """Tokens per packed training sequence (``--total-seq-len``)."""
     dflash_layers: int
@@ -113,7 +119,8 @@ SIZES: dict[str, BenchSize] = {
         num_eval_prompts=8,
         eval_new_tokens=40,
         draft_epochs=2,
-        draft_lr=3e-3,
+        dflash_lr=3e-3,
+        eagle3_lr=3e-3,
         draft_seq_len=1024,
         dflash_layers=2,
         dflash_max_anchors=256,
@@ -128,7 +135,8 @@ SIZES: dict[str, BenchSize] = {
         num_eval_prompts=24,
         eval_new_tokens=64,
         draft_epochs=3,
-        draft_lr=2e-3,
+        dflash_lr=3e-3,
+        eagle3_lr=2e-3,
         draft_seq_len=1024,
         dflash_layers=2,
         dflash_max_anchors=256,
@@ -143,7 +151,8 @@ SIZES: dict[str, BenchSize] = {
         num_eval_prompts=64,
         eval_new_tokens=128,
         draft_epochs=6,
-        draft_lr=6e-4,
+        dflash_lr=6e-4,
+        eagle3_lr=6e-4,
         draft_seq_len=8192,
         dflash_layers=5,
         dflash_max_anchors=2048,
@@ -151,6 +160,19 @@ SIZES: dict[str, BenchSize] = {
         eagle3_ttt_steps=7,
     ),
 }
+
+
+SPECULATORS_OPTIMIZER = (
+    "--optimizer muon --lr 1e-3 --weight-decay 0.01 --betas 0.9,0.999 --schedule linear --warmup-ratio 0.01"
+)
+SPECULATORS_RECIPE = {
+    "dflash": "--target-mode hard --loss-weighting dpace --loss-norm count --anchor-rule packed "
+    "--block-attention causal --sliding-window 2048 " + SPECULATORS_OPTIMIZER,
+    "eagle3": "--target-mode soft --loss-norm count --loss-mask-on source --freeze-lm-head --norm-before-fc "
+    "--norm-output --ttt-step-loss-decay 1.0 --sliding-window 2048 " + SPECULATORS_OPTIMIZER,
+}
+"""speculators 0.9.0's defaults as our options (tests/spectrain/test_differential_*.py prove them equal):
+``--recipe speculators`` trains with these, standing in for its trainer in a side-by-side run."""
 
 
 # --------------------------------------------------------------------------- corpus
@@ -409,6 +431,16 @@ def spectrain_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "spectrain.cli", *args]
 
 
+def _stored_samples(store: Path) -> int:
+    """Samples a store already holds (0 when it does not exist yet)."""
+    from hsgen.store import HiddenStateStore, StoreError
+
+    try:
+        return len(HiddenStateStore.open(store).sample_ids())
+    except (StoreError, FileNotFoundError):
+        return 0
+
+
 def generate_hidden_states(
     target: Path, train_jsonl: Path, layer_ids: list[int], work: Path, device: str
 ) -> Path:
@@ -417,6 +449,10 @@ def generate_hidden_states(
 
     store = work / "store"
     shared = work / "server-files"
+    wanted = sum(1 for line in train_jsonl.open() if line.strip())
+    if _stored_samples(store) >= wanted:  # a kept store (ablations run side by side share it)
+        log.info("store: %s already holds the %d samples", store, wanted)
+        return store
     threads = torch_threads()
     with running_server(
         target, layer_ids, shared, mode="process", dtype="float32", torch_threads=threads
@@ -434,13 +470,17 @@ def generate_hidden_states(
 
 
 def train_draft(algorithm: str, size: BenchSize, target: Path, store: Path, aux: list[int], work: Path,
-                device: str) -> tuple[Path, dict]:  # fmt: skip
-    """``spectrain train`` then ``spectrain export``; returns the exported directory and the train summary."""
-    save = work / f"train-{algorithm}"
+                device: str, extra: list[str] | None = None, tag: str = "") -> tuple[Path, dict]:  # fmt: skip
+    """``spectrain train`` (with ``extra`` flags) then ``spectrain export``; returns the exported
+    directory and the train summary with the run's compute (``train_flops``, ``step_time_s``)."""
+    suffix = f"{algorithm}-{tag}" if tag else algorithm
+    save = work / f"train-{suffix}"
+    if save.exists():
+        shutil.rmtree(save)
     args = [
         "train", "--store", str(store), "--verifier", str(target), "--verifier-name", "bench/stdlib-target",
         "--speculator-type", algorithm, "--save-path", str(save), "--epochs", str(size.draft_epochs),
-        "--lr", str(size.draft_lr), "--total-seq-len", str(size.draft_seq_len), "--save-every", "0",
+        "--lr", str(size.dflash_lr if algorithm == "dflash" else size.eagle3_lr), "--total-seq-len", str(size.draft_seq_len), "--save-every", "0",
         "--val-fraction", "0.02", "--target-layer-ids", " ".join(map(str, aux)), "--seed", "0",
         "--device", "cuda" if device.startswith("cuda") else "cpu", "--num-workers", "0", "--resume", "none",
     ]  # fmt: skip
@@ -449,9 +489,13 @@ def train_draft(algorithm: str, size: BenchSize, target: Path, store: Path, aux:
                  "--max-anchors", str(size.dflash_max_anchors)]  # fmt: skip
     else:
         args += ["--ttt-steps", str(size.eagle3_ttt_steps)]
-    summary = json.loads(run(spectrain_cmd(*args), f"spectrain train ({algorithm})") or "{}")
+    args += extra or []
+    t0 = time.perf_counter()
+    summary = json.loads(run(spectrain_cmd(*args), f"spectrain train ({suffix})") or "{}")
+    summary["train_seconds"] = round(time.perf_counter() - t0, 1)
+    summary.update(training_compute(save / "metrics.jsonl", int(summary.get("step") or 0)))
     checkpoint = save / (save / "latest").read_text().strip()
-    out = work / f"draft-{algorithm}"
+    out = work / f"draft-{suffix}"
     run(
         spectrain_cmd("export", str(checkpoint), str(out), "--verifier-name", "bench/stdlib-target"),
         "spectrain export",
@@ -459,16 +503,34 @@ def train_draft(algorithm: str, size: BenchSize, target: Path, store: Path, aux:
     return out, summary
 
 
-def export_untrained(trained_checkpoint_cfg: Path, target: Path, out: Path) -> Path:
-    """The baseline: the same DFlash architecture at its initialization, exported the same way."""
+def training_compute(metrics: Path, steps: int) -> dict:
+    """Matmul FLOPs of a ``steps``-step run (the trainer's own count, per logged step) and its mean
+    step time, from the run's metrics log."""
+    flops = seconds = 0.0
+    logged = last = 0
+    for line in metrics.read_text().splitlines():
+        rec = json.loads(line)
+        if rec.get("split") != "train":
+            continue
+        n = rec["step"] - last
+        last = rec["step"]
+        flops += rec["flops_per_s"] * rec["step_time_s"] * n
+        seconds += rec["step_time_s"] * n
+        logged += n
+    logged = max(logged, 1)
+    return {"train_flops": flops / logged * steps, "step_time_s": round(seconds / logged, 4)}
+
+
+def export_untrained(aux: list[int], size: BenchSize, target: Path, out: Path) -> Path:
+    """The baseline: the benchmark's DFlash architecture at its initialization, exported the same way."""
     import torch
 
     from spectrain.export import export_draft
     from spectrain.models import build_draft, get_config_class
     from spectrain.verifier import VerifierHeads
 
-    resolved = json.loads(trained_checkpoint_cfg.read_text())
-    cfg = get_config_class(resolved["train"]["speculator_type"]).from_dict(resolved["draft"])
+    cfg = get_config_class("dflash")(aux_layer_ids=tuple(aux), num_layers=size.dflash_layers,
+                                     block_size=size.dflash_block_size, max_anchors=size.dflash_max_anchors)  # fmt: skip
     torch.manual_seed(0)
     model = build_draft(cfg, VerifierHeads.load(target))
     return export_draft(model, out, verifier_name="bench/stdlib-target")
@@ -517,6 +579,26 @@ def main(argv: list[str] | None = None) -> int:
         "--keep", action="store_true", help="Keep the working directory (store, checkpoints, drafts)."
     )
     parser.add_argument(
+        "--only",
+        choices=["dflash", "eagle3", "baseline"],
+        default=None,
+        help="Train and evaluate this draft only (ablations; the last line then describes it alone).",
+    )
+    parser.add_argument(
+        "--train-args",
+        default="",
+        help="Extra `spectrain train` flags for the trained draft(s), e.g. '--optimizer muon --lr 1e-3'.",
+    )
+    parser.add_argument(
+        "--recipe",
+        choices=["ours", "speculators"],
+        default="ours",
+        help="Train with our defaults, or with speculators 0.9.0's recipe expressed as our options.",
+    )
+    parser.add_argument(
+        "--tag", default="", help="Suffix of this run's train/draft directories under --work."
+    )
+    parser.add_argument(
         "--threads",
         type=int,
         default=1,
@@ -556,16 +638,19 @@ def main(argv: list[str] | None = None) -> int:
         results: dict[str, dict] = {}
         train_summaries = {}
         drafts = {}
-        for algorithm, aux in (("dflash", dflash_aux), ("eagle3", eagle_aux)):
+        trained = [a for a in ("dflash", "eagle3") if args.only in (None, a)]
+        tag = args.tag or ("speculators" if args.recipe == "speculators" else "")
+        for algorithm in trained:
+            aux = dflash_aux if algorithm == "dflash" else eagle_aux
+            recipe = SPECULATORS_RECIPE[algorithm] if args.recipe == "speculators" else ""
+            extra = shlex.split(recipe) + shlex.split(args.train_args)
             t0 = time.perf_counter()
             drafts[algorithm], train_summaries[algorithm] = train_draft(
-                algorithm, size, target, store, aux, work, device
+                algorithm, size, target, store, aux, work, device, extra, tag
             )
             timings[f"train_{algorithm}"] = time.perf_counter() - t0
-        latest = work / "train-dflash" / (work / "train-dflash" / "latest").read_text().strip()
-        drafts["baseline"] = export_untrained(
-            latest / "trainer" / "train_config.json", target, work / "draft-baseline"
-        )
+        if args.only in (None, "baseline"):
+            drafts["baseline"] = export_untrained(dflash_aux, size, target, work / "draft-baseline")
         for name, path in drafts.items():
             t0 = time.perf_counter()
             results[name] = evaluate_draft(path, target, eval_jsonl, size, device)
@@ -577,6 +662,8 @@ def main(argv: list[str] | None = None) -> int:
             "device": device,
             "target": facts,
             "layers": {"dflash": dflash_aux, "eagle3": eagle_aux, "store": store_layers},
+            "recipe": args.recipe,
+            "train_args": args.train_args,
             "train": train_summaries,
             "eval": {
                 name: {
@@ -595,7 +682,9 @@ def main(argv: list[str] | None = None) -> int:
             },
             "timings_s": {k: round(v, 1) for k, v in timings.items()},
         }
-        (work / "results.json").write_text(json.dumps(details, indent=2) + "\n")
+        (work / f"results{'-' + tag if tag else ''}{'-' + args.only if args.only else ''}.json").write_text(
+            json.dumps(details, indent=2) + "\n"
+        )
         print(json.dumps(details, indent=2), file=sys.stderr)
         for name, r in results.items():
             rates = " ".join(f"{x:.2f}" for x in r["acceptance_rate"])
@@ -603,12 +692,21 @@ def main(argv: list[str] | None = None) -> int:
                 f"{name:>9}: tau {r['tau']:.3f}  K={r['num_speculative_tokens']}  per-position {rates}",
                 file=sys.stderr,
             )
-        final = {
-            "tau_dflash": round(results["dflash"]["tau"], 4),
-            "tau_eagle3": round(results["eagle3"]["tau"], 4),
-            "tau_baseline": round(results["baseline"]["tau"], 4),
-            "exact_match": all(r["exact_match"] for r in results.values()),
-        }
+        exact = all(r["exact_match"] for r in results.values())
+        if args.only:
+            r = results[args.only]
+            t = train_summaries.get(args.only, {})
+            final = {"draft": args.only, "tag": args.tag, "train_args": args.train_args, "tau": round(r["tau"], 4),
+                     "acceptance_rate": [round(x, 3) for x in r["acceptance_rate"]],
+                     "train_gflop": round(t.get("train_flops", 0.0) / 1e9, 1), "step_time_s": t.get("step_time_s"),
+                     "train_seconds": t.get("train_seconds"), "exact_match": exact}  # fmt: skip
+        else:
+            final = {
+                "tau_dflash": round(results["dflash"]["tau"], 4),
+                "tau_eagle3": round(results["eagle3"]["tau"], 4),
+                "tau_baseline": round(results["baseline"]["tau"], 4),
+                "exact_match": exact,
+            }
         print(json.dumps(final))
         return 0 if final["exact_match"] else 1
     finally:

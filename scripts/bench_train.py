@@ -8,13 +8,18 @@ vocab 32000; fp32 master weights, bf16 autocast, AdamW, FlexAttention. The packe
 documents of random lengths in [S/16, S/3) with the loss on the last 65% of each, as the
 peer's benchmark (``--layout equal --docs N`` for N equal documents, loss everywhere).
 
-Timed (default): forward, backward, clipping, optimizer step on a batch already on the device;
-on a GPU at the reference shape (AdamW, and the default optimizer of ``spectrain train`` too
-when it differs), on CPU at a small shape. Last stdout line: JSON with ``device``,
-``dflash_tokens_per_s``, ``eagle3_tokens_per_s``, ``dflash_peak_gib``, ``eagle3_peak_gib``
-(``torch.cuda.max_memory_allocated``; null on CPU), ``loader_tokens_per_s``, ``dflash_mfu``,
-``eagle3_mfu``, and ``loader_gbps`` / ``loader_ratio`` from ``scripts/bench_loader.py`` (store ->
-packed sequence against a raw ``preadv`` of the same bytes, side by side).
+Timed (default): ``spectrain train``'s own step (``spectrain.step.train_step``: forward,
+backward, clipping, the non-finite check, the update; no host-device sync) on a batch already
+on the device; on a GPU at the reference shape (AdamW, and the default optimizer of
+``spectrain train`` too when it differs), on CPU at a small shape. ``--compile on|both`` times
+the ``torch.compile``'d training forward (``both``: eager and compiled side by side, keys
+``*_compiled`` and ``*_compile_speedup``; ``*_first_step_s`` holds the compile). Last stdout
+line: JSON with ``device``, ``dflash_tokens_per_s``, ``eagle3_tokens_per_s``,
+``dflash_peak_gib``, ``eagle3_peak_gib`` (``torch.cuda.max_memory_allocated``; null on CPU),
+``loader_tokens_per_s``, ``dflash_mfu``, ``eagle3_mfu``, and ``loader_gbps`` / ``loader_ratio``
+from ``scripts/bench_loader.py`` (store -> packed sequence against a raw ``preadv`` of the same
+bytes, side by side). ``--sync-census`` adds ``*_syncs`` (what would synchronise, by source
+line) and ``*_sync_free`` (on CUDA: one step under ``set_sync_debug_mode("error")``).
 
 ``--plan``: no GPU needed. Builds both drafts at the reference shape with the real model classes
 under FakeTensorMode and runs two whole steps through them (``spectrain.accounting``): FLOPs
@@ -146,78 +151,101 @@ def build(name: str, opts: dict, shape: dict, device, heads_dtype):
     return model.train(), heads
 
 
-def default_optimizer() -> str:
-    """The optimizer ``spectrain train`` uses by default (AdamW until the recipe says otherwise)."""
+def default_optimizer(algorithm: str) -> str:
+    """The optimizer ``spectrain train`` uses by default for ``algorithm`` (``auto`` resolved)."""
+    from spectrain.models import get_config_class
     from spectrain.train import TrainConfig
 
-    return next((f.default for f in dataclasses.fields(TrainConfig) if f.name == "optimizer"), "adamw")
+    kind = next((f.default for f in dataclasses.fields(TrainConfig) if f.name == "optimizer"), "adamw")
+    return get_config_class(algorithm).default_optimizer if kind == "auto" else kind
 
 
-def make_optimizer(model, kind: str, fused: bool):
-    params = [p for p in model.parameters() if p.requires_grad]
-    if kind == "adamw":
-        return torch.optim.AdamW(params, lr=1e-4, fused=fused)
+def make_optimizer(model, kind: str):
+    """``spectrain train``'s optimizers (fused AdamW, or Muon + AdamW): ``Optimizers``."""
     from spectrain.optim import OptimConfig, build_optimizers
 
-    return build_optimizers(model, OptimConfig(optimizer=kind), lambda s: 1.0, fused=fused)
+    return build_optimizers(model, OptimConfig(optimizer=kind, lr=1e-4), lambda s: 1.0, fused=True)
 
 
 def train_step(model, opt, batch, amp_device: str | None, seed: int):
-    with torch.autocast(amp_device or "cpu", dtype=torch.bfloat16, enabled=amp_device is not None):
-        loss, _ = model(batch, torch.Generator().manual_seed(seed))
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
-    opt.step()
-    opt.zero_grad()
-    return loss
+    """One step of ``spectrain train`` (``spectrain.step.train_step``): forward, backward,
+    clipping, the non-finite check and the update, with no host-device sync; returns its result."""
+    from spectrain.step import train_step as step
+
+    device = batch.input_ids.device
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def autocast():
+        return torch.autocast(amp_device or "cpu", dtype=torch.bfloat16, enabled=amp_device is not None)
+
+    return step(model, model, opt, [batch], [gen], autocast=autocast, max_grad_norm=1.0, device=device)
 
 
 # --------------------------------------------------------------------------- timed
 
 
-def bench_model(name, opts, shape, device, steps, warmup, layout, docs, optimizer, compile_layers,
-                sync_census=False) -> dict:  # fmt: skip
+def sync_check(step) -> dict:
+    """Run ``step`` under ``torch.cuda.set_sync_debug_mode("error")``: any host-device sync raises."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+        out = {"sync_free": True}
+    except RuntimeError as e:
+        out = {"sync_free": False, "sync_error": str(e).strip().splitlines()[0][:300]}
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return out
+
+
+def bench_model(name, opts, shape, device, steps, warmup, layout, docs, optimizer, compile_model,
+                sync_census=False, compile_backend="inductor") -> dict:  # fmt: skip
     gpu = device.type == "cuda"
     model, _ = build(name, opts, shape, device, torch.bfloat16 if gpu else torch.float32)
-    if compile_layers:
-        for layer in model.layers:
-            layer.compile()
-    opt = make_optimizer(model, optimizer, fused=gpu)
+    if compile_model:
+        model.compile_training(backend=compile_backend)
+    opt = make_optimizer(model, optimizer)
     batch = synthetic_batch(shape, 3, device, layout, docs)
-    times, flops = [], 0.0
+    amp = "cuda" if gpu else None
+    times, flops, first = [], 0.0, None
     if gpu:
         torch.cuda.reset_peak_memory_stats(device)
     for i in range(warmup + steps):
         if gpu:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        loss = train_step(model, opt, batch, "cuda" if gpu else None, i)
+        result = train_step(model, opt, batch, amp, i)
         if gpu:
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
+        first = dt if first is None else first
         if i >= warmup:
             times.append(dt)
-            flops = getattr(model, "last_flops", 0.0)
-        log.info("%s/%s step %d: %.1f ms loss %.3f", name, optimizer, i, dt * 1e3, float(loss.detach()))
+            flops = float(result.flops)
+        log.info("%s/%s%s step %d: %.1f ms loss %.3f", name, optimizer, " compiled" if compile_model else "", i,
+                 dt * 1e3, float(result.loss))  # fmt: skip
     step = float(np.median(times))
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if gpu else None
-    syncs = None
-    if sync_census:
-        from spectrain.sync_census import census
-
-        syncs = census(functools.partial(train_step, model, opt, batch, "cuda" if gpu else None, 0), device)
-        log.info("%s: host-device syncs in one step: %s", name, json.dumps(syncs, indent=1))
-    del model, opt, batch
-    gc.collect()
-    if gpu:
-        torch.cuda.empty_cache()
-    return {
+    out = {
         "step_s": step,
         "tokens_per_s": shape["seq"] / step,
         "flops": flops,
         "peak_gib": peak,
-        "syncs": syncs,
+        "first_step_s": first,
     }
+    if sync_census:
+        from spectrain.sync_census import census
+
+        run = functools.partial(train_step, model, opt, batch, amp, 0)
+        out["syncs"] = census(run, device)
+        log.info("%s: host-device syncs in one step: %s", name, json.dumps(out["syncs"], indent=1))
+        out.update(sync_check(run) if gpu else {"sync_free": not out["syncs"]})
+    del model, opt, batch
+    gc.collect()
+    if gpu:
+        torch.cuda.empty_cache()
+    return out
 
 
 def bench_loader(hidden: int, samples: int, tokens: int, seq: int, workers: int) -> float:
@@ -257,25 +285,35 @@ def run_timed(args) -> dict:
     opts = GPU_OPTS if gpu else (TINY_OPTS if args.tiny else CPU_OPTS)
     steps = args.steps or (3 if args.quick or args.tiny else 10)
     warmup = 3 if gpu else 1
-    optimizers = ["adamw"]
-    default = default_optimizer()
-    if default != "adamw" and not args.adamw_only:
-        optimizers.append(default)
     peak = args.peak_tflops * 1e12
     result: dict = {"device": torch.cuda.get_device_name(device) if gpu else "cpu", "shape": shape,
-                    "layout": args.layout, "optimizer": "adamw"}  # fmt: skip
+                    "layout": args.layout, "optimizer": "adamw", "compile": args.compile}  # fmt: skip
+    modes = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
     for name in ("dflash", "eagle3"):
-        for kind in optimizers:
-            r = bench_model(name, opts[name], shape, device, steps, warmup, args.layout, args.docs, kind,
-                            args.compile, args.sync_census and kind == "adamw")  # fmt: skip
-            suffix = "" if kind == "adamw" else f"_{kind}"
-            result[f"{name}_tokens_per_s{suffix}"] = round(r["tokens_per_s"], 1)
-            result[f"{name}_step_ms{suffix}"] = round(r["step_s"] * 1e3, 2)
-            result[f"{name}_peak_gib{suffix}"] = None if r["peak_gib"] is None else round(r["peak_gib"], 2)
-            if r["syncs"] is not None:
-                result[f"{name}_syncs"] = r["syncs"]
-            if kind == "adamw":
-                result[f"{name}_mfu"] = round(r["flops"] / r["step_s"] / peak, 4) if gpu else None
+        default = default_optimizer(name)
+        optimizers = ["adamw"] if default == "adamw" or args.adamw_only else ["adamw", default]
+        for compiled in modes:
+            for kind in optimizers:
+                census = args.sync_census and kind == "adamw" and compiled == modes[0]
+                r = bench_model(name, opts[name], shape, device, steps, warmup, args.layout, args.docs, kind,
+                                compiled, census, args.compile_backend)  # fmt: skip
+                suffix = ("" if kind == "adamw" else f"_{kind}") + ("_compiled" if compiled else "")
+                result[f"{name}_tokens_per_s{suffix}"] = round(r["tokens_per_s"], 1)
+                result[f"{name}_step_ms{suffix}"] = round(r["step_s"] * 1e3, 2)
+                result[f"{name}_peak_gib{suffix}"] = (
+                    None if r["peak_gib"] is None else round(r["peak_gib"], 2)
+                )
+                result[f"{name}_first_step_s{suffix}"] = round(r["first_step_s"], 2)
+                if "syncs" in r:
+                    result[f"{name}_syncs"] = r["syncs"]
+                    result[f"{name}_sync_free"] = r["sync_free"]
+                    if "sync_error" in r:
+                        result[f"{name}_sync_error"] = r["sync_error"]
+                if kind == "adamw":
+                    result[f"{name}_mfu{suffix}"] = round(r["flops"] / r["step_s"] / peak, 4) if gpu else None
+        if args.compile == "both":
+            eager, comp = result[f"{name}_tokens_per_s"], result[f"{name}_tokens_per_s_compiled"]
+            result[f"{name}_compile_speedup"] = round(comp / eager, 3)
     if args.no_loader:
         result["loader_tokens_per_s"] = None
     else:
@@ -356,12 +394,12 @@ def plan_one(name: str, opts: dict, shape: dict, layout: str, variant: dict, den
         cfg["freeze_lm_head"] = variant["freeze_lm_head"]
     with patched_loss(variant["loss"]), fake_tensors():
         model, heads = build(name, cfg, shape, torch.device("cpu"), torch.bfloat16)
-        opt = make_optimizer(model, "adamw", fused=True)
+        opt = make_optimizer(model, "adamw")
         batch = synthetic_batch(shape, 3, "cpu", layout, 1)
         seeds = iter(range(100))
         acct = account_steps(
             lambda: train_step(model, opt, batch, "cpu", next(seeds)),
-            [model, opt, batch.hidden_states, batch.input_ids, heads.lm_head, heads.embed_tokens],
+            [model, *opt.optimizers, batch.hidden_states, batch.input_ids, heads.lm_head, heads.embed_tokens],
             density,
         )
     out = acct.summary()
@@ -408,8 +446,13 @@ def main() -> None:
         "--layout", choices=["peer", "equal"], default="peer", help="documents in the packed sequence"
     )
     ap.add_argument("--docs", type=int, default=1, help="documents per packed sequence (--layout equal)")
+    ap.add_argument("--compile", choices=["off", "on", "both"], default="off",
+                    help="torch.compile the draft's training forward (as train --compile); both: eager and "
+                         "compiled side by side (keys *_compiled, *_compile_speedup)")  # fmt: skip
     ap.add_argument(
-        "--compile", action="store_true", help="torch.compile the draft layers (as train --compile)"
+        "--compile-backend",
+        default="inductor",
+        help="torch.compile backend (inductor; aot_eager for a quick CPU smoke)",
     )
     ap.add_argument(
         "--adamw-only", action="store_true", help="skip the default optimizer when it is not AdamW"
@@ -417,7 +460,8 @@ def main() -> None:
     ap.add_argument(
         "--sync-census",
         action="store_true",
-        help="after timing, list the host-device syncs of one step (CUDA: sync debug mode)",
+        help="after timing, list the host-device syncs of one step (CUDA: sync debug mode 'warn') and, on "
+        "CUDA, run one under set_sync_debug_mode('error') (*_sync_free)",
     )
     ap.add_argument("--no-loader", action="store_true", help="skip the loader measurement")
     ap.add_argument("--peak-tflops", type=float, default=800.0, help="bf16 matmul peak for MFU (H200: ~800)")

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # The side-by-side GPU run of issue 12, one script, about 6-7 minutes on an H200 (each part has a
-# time bound; the bounds sum to 8 minutes). Needs no internet: run scripts/gpu/prepare.sh first on
-# a machine with PyPI and carry .gpu-carry/ along (see docs/benchmarks.md for the device call).
+# time bound; the bounds sum to 9.5 minutes, under the device tool's 10). Needs no internet: run
+# scripts/gpu/prepare.sh first on a machine with PyPI and carry .gpu-carry/ along (see
+# docs/benchmarks.md for the device call).
 #
 #   1. our bench_train.py at the reference shape: tokens/s and peak memory (AdamW; and the default
-#      optimizer of spectrain train when it is not AdamW), plus a host-device sync census
+#      optimizer of spectrain train when it is not AdamW), a host-device sync census and one step
+#      under torch.cuda.set_sync_debug_mode("error"); then the same with the training forward
+#      compiled (AdamW), so compile on and off are timed side by side (summary: *_compile_speedup)
 #   2. the peer's step (speculators 0.9.0, .gpu-carry/peer-bench/run.sh): same shape, same GPU
 #   3. a short real `spectrain train` on a synthetic store at the reference shape (store -> loader
 #      -> step, so the loader's cost shows in tokens/s and data_wait_fraction)
@@ -56,45 +59,53 @@ export PYTHONUNBUFFERED=1
 } > "$WORK/logs/env.txt" 2>&1
 cat "$WORK/logs/env.txt"
 
-TINY_FLAG=(); PEER_DEFAULT="--loss-impl eager"
-if [ "$TINY" = 1 ]; then TINY_FLAG=(--tiny); PEER_DEFAULT="--tiny --loss-impl eager"; fi
+TINY_FLAG=(); PEER_DEFAULT="--loss-impl eager --optimizers adamw"
+if [ "$TINY" = 1 ]; then TINY_FLAG=(--tiny); PEER_DEFAULT="--tiny --loss-impl eager --optimizers adamw"; fi
 
-# 1. ours (bound 110 s)
-log "1/4 bench_train.py at the reference shape"
-timeout -k 10 "${OURS_TIMEOUT:-110}" "$PY" scripts/bench_train.py --device "$DEVICE" --no-loader --sync-census \
-  "${TINY_FLAG[@]}" > "$WORK/logs/ours.json" 2> "$WORK/logs/ours.log"
+# 1. ours, eager then compiled (bounds 90 + 140 s)
+COMPILE_BACKEND=inductor
+if [ "$TINY" = 1 ]; then COMPILE_BACKEND=${COMPILE_BACKEND_TINY:-aot_eager}; fi
+log "1/4 bench_train.py at the reference shape (eager)"
+timeout -k 10 "${OURS_TIMEOUT:-90}" "$PY" scripts/bench_train.py --device "$DEVICE" --no-loader --sync-census \
+  --compile off "${TINY_FLAG[@]}" > "$WORK/logs/ours.json" 2> "$WORK/logs/ours.log"
 log "bench_train rc=$?: $(tail -c 400 "$WORK/logs/ours.json")"
+log "1/4 bench_train.py at the reference shape (torch.compile, $COMPILE_BACKEND)"
+timeout -k 10 "${OURS_COMPILED_TIMEOUT:-140}" "$PY" scripts/bench_train.py --device "$DEVICE" --no-loader \
+  --sync-census --compile on --compile-backend "$COMPILE_BACKEND" --adamw-only --steps 5 "${TINY_FLAG[@]}" \
+  > "$WORK/logs/ours-compiled.json" 2> "$WORK/logs/ours-compiled.log"
+log "bench_train --compile on rc=$?: $(tail -c 400 "$WORK/logs/ours-compiled.json")"
 
-# 2. the peer (bounds 140 + 100 s, install ~20 s)
+# 2. the peer, AdamW (its headline; its Muon figures are in shared/peer-bench/README.md) (bounds 110 + 80 s,
+#    install ~20 s)
 if [ -x "$CARRY/peer-bench/run.sh" ] || [ -f "$CARRY/peer-bench/run.sh" ]; then
   log "2/4 the peer's step (speculators)"
   RESULTS="$WORK/logs/peer" PEER_SITE="$WORK/peer-site" PYTHON="$PY" BENCH_ARGS="${PEER_ARGS:-$PEER_DEFAULT}" \
-    DFLASH_TIMEOUT="${PEER_DFLASH_TIMEOUT:-140}" EAGLE3_TIMEOUT="${PEER_EAGLE3_TIMEOUT:-100}" \
-    timeout -k 10 280 bash "$CARRY/peer-bench/run.sh" > "$WORK/logs/peer-run.log" 2>&1
+    DFLASH_TIMEOUT="${PEER_DFLASH_TIMEOUT:-110}" EAGLE3_TIMEOUT="${PEER_EAGLE3_TIMEOUT:-80}" \
+    timeout -k 10 210 bash "$CARRY/peer-bench/run.sh" > "$WORK/logs/peer-run.log" 2>&1
   log "peer rc=$?: $(tail -n 3 "$WORK/logs/peer-run.log")"
 else
   log "2/4 skipped: $CARRY/peer-bench missing (run scripts/gpu/prepare.sh)"
 fi
 
-# 3. spectrain train on a synthetic store at the reference shape (bounds 35 + 75 s)
+# 3. spectrain train on a synthetic store at the reference shape (bounds 30 + 65 s)
 log "3/4 spectrain train on a synthetic store"
 if [ "$TINY" = 1 ]; then
   REF_ARGS=(--tiny --samples 12 --tokens 256); TRAIN_ARGS=(--block-size 4 --max-anchors 16 --num-layers 1
     --total-seq-len 512 --max-steps 4)
 else
-  REF_ARGS=(--samples 48 --tokens 2048); TRAIN_ARGS=(--max-steps 12)
+  REF_ARGS=(--samples 40 --tokens 2048); TRAIN_ARGS=(--max-steps 10)
 fi
-timeout -k 5 35 "$PY" scripts/gpu/synthetic_reference.py "$WORK/ref" "${REF_ARGS[@]}" \
+timeout -k 5 30 "$PY" scripts/gpu/synthetic_reference.py "$WORK/ref" "${REF_ARGS[@]}" \
   > "$WORK/logs/reference.json" 2> "$WORK/logs/reference.log"
 log "synthetic store rc=$?: $(cat "$WORK/logs/reference.json")"
-timeout -k 10 75 "$PY" -m spectrain.cli train --store "$WORK/ref/store" --verifier "$WORK/ref/verifier" \
+timeout -k 10 65 "$PY" -m spectrain.cli train --store "$WORK/ref/store" --verifier "$WORK/ref/verifier" \
   --speculator-type dflash "${TRAIN_ARGS[@]}" --log-every 1 --save-every 0 --val-fraction 0 --device "$DEVICE" \
   --save-path "$WORK/train" > "$WORK/logs/train.json" 2> "$WORK/logs/train.log"
 log "train rc=$?"
 cp "$WORK/train/metrics.jsonl" "$WORK/logs/train-metrics.jsonl" 2>/dev/null
 
-# 4. hsgen serve on the device (bound 40 s)
+# 4. hsgen serve on the device (bound 35 s)
 log "4/4 hsgen serve --device $DEVICE smoke"
-timeout -k 5 40 bash scripts/gpu/serve_smoke.sh "$WORK/serve" "$DEVICE" > "$WORK/logs/serve.json" \
+timeout -k 5 35 bash scripts/gpu/serve_smoke.sh "$WORK/serve" "$DEVICE" > "$WORK/logs/serve.json" \
   2> "$WORK/logs/serve.log"
 log "serve smoke rc=$?: $(tail -c 300 "$WORK/logs/serve.json")"

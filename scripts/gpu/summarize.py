@@ -3,10 +3,11 @@
 
     python scripts/gpu/summarize.py WORKDIR > summary.json
 
-Reads ``WORKDIR/logs``: ``ours.json`` (bench_train.py's last line), ``peer/results.jsonl`` (the
-peer's bench, one object per model), ``train-metrics.jsonl`` (spectrain train's per-step
-records; the first two steps are warm-up and not counted) and ``serve.json``. Missing parts are
-null; the ratios are ours / the peer's from the same run.
+Reads ``WORKDIR/logs``: ``ours.json`` and ``ours-compiled.json`` (bench_train.py's last line,
+eager and ``--compile on``), ``peer/results.jsonl`` (the peer's bench, one object per model),
+``train-metrics.jsonl`` (spectrain train's per-step records; the first two steps are warm-up and
+not counted) and ``serve.json``. Missing parts are null; the ratios are ours / the peer's from the
+same run, and compiled / eager for ``*_compile_speedup``.
 """
 
 from __future__ import annotations
@@ -39,8 +40,10 @@ def _ratio(a, b) -> float | None:
 def summarize(work: Path) -> dict:
     logs = work / "logs"
     ours = _last_json(logs / "ours.json") or {}
+    compiled = _last_json(logs / "ours-compiled.json") or {}
     peer = {r.get("model"): r for r in _jsonl(logs / "peer" / "results.jsonl")}
-    out: dict = {"device": ours.get("device"), "ours": ours or None, "peer": {}}
+    out: dict = {"device": ours.get("device") or compiled.get("device"), "ours": ours or None,
+                 "ours_compiled": compiled or None, "peer": {}}  # fmt: skip
     for name in ("dflash", "eagle3"):
         p = peer.get(name) or {}
         out["peer"][name] = {k: p.get(k) for k in ("ok", "step_s_median", "tokens_per_s", "tflops_achieved",
@@ -51,6 +54,14 @@ def summarize(work: Path) -> dict:
         out[f"peer_{name}_peak_gib"] = p.get("peak_mem_alloc_gib")
         out[f"{name}_speed_ratio"] = _ratio(ours.get(f"{name}_tokens_per_s"), p.get("tokens_per_s"))
         out[f"{name}_memory_ratio"] = _ratio(ours.get(f"{name}_peak_gib"), p.get("peak_mem_alloc_gib"))
+        fast = compiled.get(f"{name}_tokens_per_s_compiled")
+        out[f"{name}_tokens_per_s_compiled"] = fast
+        out[f"{name}_peak_gib_compiled"] = compiled.get(f"{name}_peak_gib_compiled")
+        out[f"{name}_compile_s"] = compiled.get(f"{name}_first_step_s_compiled")
+        out[f"{name}_compile_speedup"] = _ratio(fast, ours.get(f"{name}_tokens_per_s"))
+        out[f"{name}_compiled_speed_ratio"] = _ratio(fast, p.get("tokens_per_s"))
+        out[f"{name}_sync_free"] = ours.get(f"{name}_sync_free")
+        out[f"{name}_sync_free_compiled"] = compiled.get(f"{name}_sync_free")
     steps = [r for r in _jsonl(logs / "train-metrics.jsonl") if r.get("split") == "train"]
     timed = steps[2:] or steps
     out["train"] = {

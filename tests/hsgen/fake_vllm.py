@@ -57,7 +57,7 @@ class FakeConfig:
         latency_s: time each request takes before answering.
         api_key: required bearer token (None = none).
         faults: a list of fault names consumed one per request (``None`` = no fault):
-            ``http_500``, ``http_400``, ``http_401``, ``missing_file``, ``truncated``, ``nan``,
+            ``http_500``, ``http_400``, ``http_401`` (or any ``http_<status>``), ``missing_file``, ``truncated``, ``nan``,
             ``token_mismatch``, ``outside``, ``stale_lock``, ``hang`` (``hang_s``), ``bad_json``;
             hostile ones: ``symlink_swap`` (the file is named in a subdirectory that becomes a
             symlink to ``outside_dir`` before the file is written there), ``fifo_lock`` and
@@ -179,6 +179,9 @@ class FakeVLLM:
             )
         if fault == "http_401":
             return web.json_response(protocol.error_body("nope", code=401), status=401)
+        if fault and fault.startswith("http_"):  # any other status: http_408, http_429, http_503, ...
+            code = int(fault[5:])
+            return web.json_response(protocol.error_body(f"status {code}", code=code), status=code)
         if fault == "bad_json":
             return web.Response(text="not json", status=200)
         if self.cfg.capacity:
@@ -290,7 +293,7 @@ class FakeVLLM:
         self._wake = asyncio.Event()
         if self.cfg.capacity:
             self._step_task = asyncio.get_running_loop().create_task(self._steps())
-        self._runner = web.AppRunner(self.app(), access_log=None)
+        self._runner = web.AppRunner(self.app(), access_log=None, shutdown_timeout=1.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import time
 from fake_vllm import FakeConfig, FakeVLLM
 
 from hsgen.client import ClientConfig
-from hsgen.generate import EXIT_FAILURE, GenerateConfig, generate
+from hsgen.generate import EXIT_FAILURE, EXIT_INTERRUPTED, GenerateConfig, generate
 from hsgen.render import RenderedPrompt
 from hsgen.store import HiddenStateStore, StoreHeader
 
@@ -110,3 +111,72 @@ def test_file_outside_shared_dir_stops_at_the_first_with_the_fix(tmp_path):
     assert summary["failed"] == 1, "stopped at the first refused file"
     assert fake.requests == 1
     assert os.listdir(outside) == [], "the refused file (named after our request) is removed"
+
+
+def start_generate(tmp_path, url, shared, n, *extra):
+    """``hsgen generate`` of ``n`` prompts in a subprocess (stdout and stderr piped)."""
+    cmd = [
+        sys.executable, "-m", "hsgen.cli", "generate", str(tokens_file(tmp_path / "d.jsonl", n)),
+        "--store", str(tmp_path / "st"), "--endpoint", url, "--layer-ids", "1,2,4",
+        "--shared-dir", str(shared), "--no-progress", *map(str, extra),
+    ]  # fmt: skip
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for(cond, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def sigterm_and_wait(proc, *, twice: bool = False) -> tuple[float, str, str]:
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    if twice:
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    return time.monotonic() - t0, out, err
+
+
+def test_sigterm_while_every_server_is_down_ends_at_once(tmp_path):
+    """Requests waiting for a dead server to come back are not in flight: SIGTERM ends them now."""
+    shared = tmp_path / "shm"
+    fake = FakeVLLM(FakeConfig(str(shared), latency_s=0.02))
+    with fake.in_thread() as url:
+        proc = start_generate(tmp_path, url, shared, 5000)
+        wait_for(lambda: fake.requests >= 30 or proc.poll() is not None)
+    # the server is gone: every request fails, retries back off, the breaker opens and waits
+    time.sleep(1.5)
+    assert proc.poll() is None, proc.communicate()
+    took, out, err = sigterm_and_wait(proc)
+    assert proc.returncode == EXIT_INTERRUPTED, err[-2000:]
+    assert took < 10, f"{took:.1f} s: waiting for a dead server is not finishing a request"
+    assert "Traceback" not in err
+    summary = json.loads(out.splitlines()[-1])
+    assert summary["failed"] == 0 or summary["failed"] < 30, summary
+    store = HiddenStateStore.open(tmp_path / "st")
+    assert len(store) == summary["stored"] >= 1
+
+
+def test_sigterm_with_a_silent_server_ends_within_the_grace(tmp_path):
+    """Requests a server never answers are cancelled after --stop-grace; a second SIGTERM at once."""
+    shared = tmp_path / "shm"
+    for twice, grace in ((False, 1.5), (True, 60)):
+        run_dir = tmp_path / f"run-{twice}"
+        run_dir.mkdir()
+        cfg = FakeConfig(str(shared), faults=[None] * 10 + ["hang"] * 5000, hang_s=30)
+        fake = FakeVLLM(cfg)
+        with fake.in_thread() as url:
+            proc = start_generate(run_dir, url, shared, 200, "--stop-grace", grace)
+            wait_for(lambda f=fake, p=proc: f.requests >= 14 or p.poll() is not None)
+            time.sleep(0.3)
+            assert proc.poll() is None, proc.communicate()
+            took, out, err = sigterm_and_wait(proc, twice=twice)
+        assert proc.returncode == EXIT_INTERRUPTED, err[-2000:]
+        assert took < (4 if twice else grace + 6), f"{took:.1f} s with --stop-grace {grace}, twice={twice}"
+        assert "Traceback" not in err
+        summary = json.loads(out.splitlines()[-1])
+        assert summary["stored"] == 10 and summary["failed"] == 0, summary
+        assert len(HiddenStateStore.open(run_dir / "st")) == 10

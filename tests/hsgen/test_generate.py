@@ -127,6 +127,27 @@ async def test_transient_faults_are_retried_into_the_store(tmp_path):
     check_store(store, ps)
 
 
+async def test_retries_counter_counts_every_retry(tmp_path):
+    """The summary's ``retries`` counts the retries of stored and of failed prompts, exactly."""
+    shared = tmp_path / "shm"
+    store = make_store(tmp_path / "store")
+    ps = prompts(5)
+    failures = tmp_path / "fail.jsonl"
+    faults = ["http_500", "http_500", None]  # s0001: stored after 2 retries
+    faults += ["http_503", None]  # s0002: 1 retry
+    faults += ["http_400"]  # s0003: permanent, no retry
+    faults += ["http_500"] * 3  # s0004: retries exhausted (2)
+    faults += [None]  # s0005
+    async with FakeVLLM(FakeConfig(str(shared), faults=faults)) as url:
+        cfg = gen_cfg(url, shared, max_retries=2, saturation=SaturationConfig(concurrency=1),
+                      failures_path=str(failures))  # fmt: skip
+        s = await generate(cfg, ps, store, progress=False)
+    assert (s.stored, s.failed, s.retries) == (3, 2, 5)
+    lines = {x["sample_id"]: x for x in map(json.loads, failures.read_text().splitlines())}
+    assert (lines["s0003"]["reason"], lines["s0003"]["attempts"]) == ("http_400", 1)
+    assert (lines["s0004"]["reason"], lines["s0004"]["attempts"]) == ("http_500", 3)
+
+
 async def test_all_fail_is_failure_and_fatal_aborts(tmp_path):
     shared = tmp_path / "shm"
     store = make_store(tmp_path / "store")

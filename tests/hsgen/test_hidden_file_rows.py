@@ -1,4 +1,4 @@
-"""Hidden states left in the server's file (``ClientConfig.map_files=False``): read once, with ``preadv``."""
+"""Hidden states left in the server's file (``ClientConfig.rows_in_file``): read once, with ``preadv``."""
 
 from __future__ import annotations
 
@@ -31,8 +31,8 @@ def sample(tmp_path):
 def test_rows_left_in_the_file_read_like_the_mapping(sample):
     path, hidden, tokens = sample
     fd = os.open(path, os.O_RDONLY)
-    mapped, mapped_tokens, dtype = read_hidden_states_fd(fd)
-    rows, row_tokens, dtype2 = read_hidden_states_fd(fd, map_hidden=False)
+    mapped, mapped_tokens, dtype = read_hidden_states_fd(fd, map_file=True)
+    rows, row_tokens, dtype2 = read_hidden_states_fd(fd, rows_in_file=True)
     os.close(fd)
     path.unlink()  # as the client removes the name: the rows stay readable until closed
     assert isinstance(rows, FileRows) and dtype == dtype2 == "bfloat16"
@@ -52,7 +52,7 @@ def test_rows_left_in_the_file_read_like_the_mapping(sample):
 def test_a_check_can_refuse_rows_as_they_land(sample):
     path, hidden, _ = sample
     fd = os.open(path, os.O_RDONLY)
-    rows, _, _ = read_hidden_states_fd(fd, map_hidden=False)
+    rows, _, _ = read_hidden_states_fd(fd, rows_in_file=True)
     os.close(fd)
 
     def refuse_nonzero_third_piece(piece, seen=[]):  # noqa: B006 - counts calls
@@ -70,7 +70,7 @@ def test_a_check_can_refuse_rows_as_they_land(sample):
 def test_a_short_file_is_an_error_not_garbage(sample, tmp_path):
     path, hidden, tokens = sample
     fd = os.open(path, os.O_RDONLY)
-    rows, _, _ = read_hidden_states_fd(fd, map_hidden=False)
+    rows, _, _ = read_hidden_states_fd(fd, rows_in_file=True)
     os.close(fd)
     os.truncate(path, 100 + hidden.nbytes // 2)  # the file shrank under us
     with pytest.raises(EOFError):
@@ -78,7 +78,7 @@ def test_a_short_file_is_an_error_not_garbage(sample, tmp_path):
     rows.close()
 
 
-def test_out_of_descriptors_maps_instead(sample, monkeypatch):
+def test_out_of_descriptors_reads_instead(sample, monkeypatch):
     import errno
 
     path, hidden, _ = sample
@@ -93,6 +93,6 @@ def test_out_of_descriptors_maps_instead(sample, monkeypatch):
         return real_dup(fd_)
 
     monkeypatch.setattr(os, "dup", no_more)
-    got, _, _ = read_hidden_states_fd(fd, map_hidden=False)
+    got, _, _ = read_hidden_states_fd(fd, rows_in_file=True)
     os.close(fd)
     assert isinstance(got, np.ndarray) and np.array_equal(got, hidden)

@@ -23,8 +23,11 @@ def test_summarize_reads_every_part(tmp_path):
     logs = tmp_path / "logs"
     (logs / "peer").mkdir(parents=True)
     (logs / "ours.json").write_text("progress\n" + json.dumps(
-        {"device": "H200", "dflash_tokens_per_s": 60000.0, "dflash_peak_gib": 27.0,
+        {"device": "H200", "dflash_tokens_per_s": 60000.0, "dflash_peak_gib": 27.0, "dflash_sync_free": True,
          "eagle3_tokens_per_s": 90000.0, "eagle3_peak_gib": 15.0}) + "\n")  # fmt: skip
+    (logs / "ours-compiled.json").write_text(json.dumps(
+        {"device": "H200", "dflash_tokens_per_s_compiled": 66000.0, "dflash_first_step_s_compiled": 61.5,
+         "dflash_sync_free": False}) + "\n")  # fmt: skip
     (logs / "peer" / "results.jsonl").write_text(
         json.dumps({"model": "dflash", "ok": True, "tokens_per_s": 45847, "peak_mem_alloc_gib": 36.8}) + "\n"
         + json.dumps({"model": "eagle3", "ok": False, "error": "OOM"}) + "\n")  # fmt: skip
@@ -39,6 +42,10 @@ def test_summarize_reads_every_part(tmp_path):
     assert s["dflash_speed_ratio"] == round(60000 / 45847, 3)
     assert s["dflash_memory_ratio"] == round(27.0 / 36.8, 3)
     assert s["eagle3_speed_ratio"] is None and s["peer"]["eagle3"]["error"] == "OOM"
+    assert s["dflash_compile_speedup"] == 1.1 and s["dflash_compile_s"] == 61.5
+    assert s["dflash_compiled_speed_ratio"] == round(66000 / 45847, 3)
+    assert s["dflash_sync_free"] is True and s["dflash_sync_free_compiled"] is False
+    assert s["eagle3_compile_speedup"] is None
     assert s["train"] == {"steps": 5, "tokens_per_s_median": 51000.0, "data_wait_fraction_median": 0.2}
     assert s["serve"] is None
 
@@ -67,7 +74,9 @@ def test_run_all_at_a_tiny_shape_on_cpu(tmp_path):
     ]
     s = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert s["dflash_tokens_per_s"] > 0 and s["eagle3_tokens_per_s"] > 0
-    assert isinstance(s["ours"]["dflash_syncs"], dict)  # the sync census ran
+    assert s["ours"]["dflash_syncs"] == {} and s["ours"]["eagle3_syncs"] == {}  # the sync census ran: none
+    assert s["dflash_sync_free"] is True and s["eagle3_sync_free_compiled"] is True
+    assert s["dflash_tokens_per_s_compiled"] > 0 and s["eagle3_compile_speedup"] > 0
     assert s["peer_dflash_tokens_per_s"] is None
     assert s["train"]["steps"] == 4 and s["train"]["tokens_per_s_median"] > 0
     assert s["serve"]["verify"]["ok"] and s["serve"]["generate"]["stored"] == 8

@@ -39,9 +39,10 @@ def _same_training_state(a: dict, b: dict) -> None:
     assert a["model"].keys() == b["model"].keys()
     for k in a["model"]:
         assert torch.equal(a["model"][k], b["model"][k]), k
-    for pid, st in a["optimizer"]["state"].items():
-        for name in ("exp_avg", "exp_avg_sq"):
-            assert torch.equal(st[name], b["optimizer"]["state"][pid][name])
+    for opt_a, opt_b in zip(a["optimizer"], b["optimizer"], strict=True):  # Muon and AdamW for DFlash
+        for pid, st in opt_a["state"].items():
+            for name, value in st.items():
+                assert torch.equal(value, opt_b["state"][pid][name]), name
     assert a["scheduler"] == b["scheduler"]
 
 

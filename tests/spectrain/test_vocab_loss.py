@@ -221,3 +221,55 @@ def test_peak_extra_memory_is_bounded_by_one_chunk(train_head):
     assert got <= 4 * chunk_bytes + 4 * n * H * 4 + head_grad + 64 * n, (got, chunk_bytes)
     assert ref >= 2 * n * v * 4  # the eager loss holds at least two [N, V] fp32 tensors
     assert got * 4 < ref
+
+
+# --------------------------------------------------------------------------- targets formed once
+
+
+def _run_targets(mode, train_head, autocast, index, **kw):
+    """The loss on the verifier targets of rows ``index`` of a larger set, formed once beforehand."""
+    from spectrain.models.vocab_loss import verifier_targets
+
+    hidden, head, th, tw, row_w = _inputs(6)
+    hidden.requires_grad_(True)
+    head.requires_grad_(train_head)
+    extra = torch.randn(11, H, generator=torch.Generator().manual_seed(9))
+    pool = torch.cat([th, extra])[torch.randperm(N + 11, generator=torch.Generator().manual_seed(1))]
+    rows = torch.cat([(pool == r).all(1).nonzero()[0] for r in th])  # th[i] == pool[rows[i]]
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        targets = (
+            verifier_targets(pool, tw, mode, chunk_rows=7).take(rows)
+            if index
+            else verifier_targets(th, tw, mode)
+        )
+        loss, pred, tgt = vocab_loss(hidden, head, mode=mode, targets=targets, **kw)
+    (loss * row_w).sum().backward()
+    return loss.detach(), pred, tgt, hidden.grad, head.grad
+
+
+@pytest.mark.parametrize("mode", ["soft", "hard"])
+@pytest.mark.parametrize(("train_head", "keep"), HEADS)
+@pytest.mark.parametrize("autocast", [False, True])
+@pytest.mark.parametrize("index", [False, True])
+def test_targets_formed_once_equal_targets_formed_per_chunk(mode, train_head, keep, autocast, index):
+    """Eagle3 forms the verifier's targets once per sequence and each TTT step takes its rows:
+    the same loss, argmaxes and gradients as forming them from the rows inside the loss (up to
+    the matmul's rounding for a different row count: soft targets are one [N, V] product)."""
+    ref = _run(vocab_loss, mode, train_head, autocast, seed=6, chunk_rows=8, keep_logit_grads=keep)
+    got = _run_targets(mode, train_head, autocast, index, chunk_rows=8, keep_logit_grads=keep)
+    assert torch.equal(got[1], ref[1]) and torch.equal(got[2], ref[2])
+    assert _rel(got[0], ref[0]) < 1e-5 and _rel(got[3], ref[3]) < 1e-5
+    assert (got[4] is None) == (ref[4] is None) and (got[4] is None or _rel(got[4], ref[4]) < 1e-5)
+
+
+def test_targets_formed_once_are_not_changed_by_the_loss():
+    from spectrain.models.vocab_loss import verifier_targets
+
+    hidden, head, th, tw, _ = _inputs(7)
+    targets = verifier_targets(th, tw, "soft")
+    before = targets.logits.clone()
+    hidden.requires_grad_(True)
+    vocab_loss(hidden, head, mode="soft", targets=targets, chunk_rows=5)[0].sum().backward()
+    assert torch.equal(targets.logits, before)
+    with pytest.raises(ValueError, match="targets"):
+        vocab_loss(hidden, head, mode="soft", targets=verifier_targets(th, tw, "hard"))

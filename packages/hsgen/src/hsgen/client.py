@@ -3,15 +3,17 @@
 ``HiddenStateClient`` speaks vLLM's extraction protocol (``docs/serve.md``,
 ``hsgen.protocol``): one ``POST /v1/completions`` per prompt with its token ids, then the file
 step (:mod:`hsgen.hidden_file`): wait for the ``.lock`` (vLLM >= 0.22) or for the file to
-appear (0.24+ may write it after the response), map the safetensors file, validate it, and
+appear (0.24+ may write it after the response), read the safetensors file, validate it, and
 delete the file and its lock, all without following a link (:mod:`hsgen.shared_dir`).
 
 Several endpoints are used at once; each request goes to the least loaded healthy one. Only
 transient errors are retried (transport errors, timeouts, HTTP 408/429/5xx, a file missing,
-truncated or still locked after the wait), with exponential backoff; a circuit breaker per
-endpoint stops sending to a server after consecutive failures and probes it again later.
-:meth:`HiddenStateClient.probe` checks every endpoint before work starts; a 401/403, a file
-named outside the shared directory, or every endpoint silent for ``max_down_s`` are fatal.
+truncated or still locked after the wait), with exponential backoff (:mod:`hsgen.retry`, on
+tenacity); a circuit breaker per endpoint stops sending to a server after consecutive failures
+and probes it again later. :meth:`HiddenStateClient.probe` checks every endpoint before work
+starts; a 401/403, a file named outside the shared directory, or every endpoint silent for
+``max_down_s`` are fatal. :meth:`HiddenStateClient.stop_retrying` ends every fetch that is
+waiting to retry or for a server (:class:`~hsgen.errors.FetchStopped`), not those in a request.
 
 Usage::
 
@@ -23,10 +25,9 @@ Usage::
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
-import os
-import random
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -34,27 +35,22 @@ from typing import Any
 
 import numpy as np
 
-from hsgen import protocol
+from hsgen import protocol, retry
 from hsgen.breaker import CircuitBreaker, Endpoint
 from hsgen.client_types import ClientConfig, FetchedSample, normalize_endpoint
-from hsgen.errors import FatalError, FetchError, describe_transport
+from hsgen.errors import FatalError, FetchError, FetchStopped, describe_transport
 from hsgen.hidden_file import (
     STORAGE_DTYPES,
     FileWait,
     HiddenFileReader,
     all_finite,
     read_hidden_states_file,
+    remove_misplaced,
 )
 from hsgen.render import RenderedPrompt
-from hsgen.shared_dir import SharedDir, UnsafePath, lock_held, remove_own_file
+from hsgen.shared_dir import SharedDir, UnsafePath
 
 log = logging.getLogger(__name__)
-
-
-# --------------------------------------------------------------------------- config and results
-
-
-# --------------------------------------------------------------------------- client
 
 
 class HiddenStateClient:
@@ -73,6 +69,7 @@ class HiddenStateClient:
         self._files: HiddenFileReader | None = None
         self._last_alive = time.monotonic()
         self._last_down_error = ""
+        self._stopping = asyncio.Event()
 
     async def __aenter__(self) -> HiddenStateClient:
         import aiohttp
@@ -88,7 +85,13 @@ class HiddenStateClient:
         self._pool = ThreadPoolExecutor(max(1, self.config.read_threads), thread_name_prefix="hsgen-read")
         c = self.config
         wait = FileWait(
-            c.file_wait_s, c.lock_timeout_s, c.settle_s, c.check_finite, c.include_output_tokens, c.map_files
+            c.file_wait_s,
+            c.lock_timeout_s,
+            c.settle_s,
+            c.check_finite,
+            c.include_output_tokens,
+            c.map_files,
+            c.rows_in_file,
         )
         self._files = HiddenFileReader(self.shared, wait, self._pool)
         self._last_alive = time.monotonic()
@@ -142,7 +145,7 @@ class HiddenStateClient:
                 if not open_eps:
                     self._check_down()
                     wake = min(e.breaker.open_until for e in self.endpoints.values())
-                    await asyncio.sleep(max(0.01, min(wake - now, 1.0)))
+                    await self._pause(max(0.01, min(wake - now, 1.0)))
                     continue
                 self._rr += 1
                 ep = min(
@@ -315,51 +318,78 @@ class HiddenStateClient:
         Raises:
             FetchError: after the retries, or at once for a non-transient failure.
             FatalError: for failures every request will hit (authentication, bad server).
+            FetchStopped: :meth:`stop_retrying` was called and this fetch would retry or wait.
         """
         if endpoint is not None and endpoint not in self.endpoints:
             endpoint = normalize_endpoint(endpoint)
             if endpoint not in self.endpoints:
                 raise ValueError(f"unknown endpoint {endpoint}")
         t0 = time.monotonic()
-        attempt = 0
-        while True:
-            attempt += 1
-            ep = await self._acquire(endpoint if attempt == 1 else None)
-            try:
-                sample = await self._fetch_once(ep, prompt)
-            except FetchError as e:
-                e.attempts = attempt
-                e.endpoint = e.endpoint or ep.url
-                ep.failed += 1
-                if e.transient:
-                    ep.breaker.on_failure(time.monotonic())
-                else:
-                    ep.breaker.on_success()  # the server answered; the prompt is the problem
-                if e.reason in ("transport", "timeout"):
-                    self._last_down_error = f"{e.endpoint}: {e.message}"
-                    self._check_down()
-                if isinstance(e, FatalError) or not e.transient or attempt > self.config.max_retries:
-                    raise
-                delay = min(self.config.backoff_max_s, self.config.backoff_s * 2 ** (attempt - 1))
-                delay *= 0.5 + random.random()
-                log.info("retrying %s in %.2fs after %s", prompt.sample_id, delay, e)
-                await asyncio.sleep(delay)
-                continue
-            except BaseException:
-                ep.breaker.probing = False
-                raise
-            finally:
-                ep.in_flight -= 1
-            ep.breaker.on_success()
-            ep.completed += 1
-            ep.tokens += sample.num_tokens
-            ep.bytes += sample.nbytes
-            sample.latency_s = time.monotonic() - t0
-            sample.attempts = attempt
-            ep.latency_ewma_s = (
-                sample.latency_s if ep.completed == 1 else 0.9 * ep.latency_ewma_s + 0.1 * sample.latency_s
-            )
-            return sample
+        c = self.config
+        policy = retry.retrying(
+            c.max_retries, c.backoff_s, c.backoff_max_s, sleep=self._pause, label=prompt.sample_id
+        )
+        async for trial in policy:
+            with trial:
+                attempt = trial.retry_state.attempt_number
+                sample = await self._attempt(prompt, endpoint if attempt == 1 else None, attempt, t0)
+        return sample
+
+    async def _attempt(
+        self, prompt: RenderedPrompt, preferred: str | None, attempt: int, t0: float
+    ) -> FetchedSample:
+        """One request and its file on the least loaded healthy endpoint; counters and breaker updated.
+
+        ``t0`` is when the fetch began: the sample's latency counts its earlier attempts.
+        """
+        if attempt > 1 and self._stopping.is_set():
+            raise FetchStopped()
+        ep = await self._acquire(preferred)
+        try:
+            sample = await self._fetch_once(ep, prompt)
+        except FetchError as e:
+            e.attempts = attempt
+            e.endpoint = e.endpoint or ep.url
+            ep.failed += 1
+            if e.transient:
+                ep.breaker.on_failure(time.monotonic())
+            else:
+                ep.breaker.on_success()  # the server answered; the prompt is the problem
+            if e.reason in ("transport", "timeout"):
+                self._last_down_error = f"{e.endpoint}: {e.message}"
+                self._check_down()
+            raise
+        except BaseException:
+            ep.breaker.probing = False
+            raise
+        finally:
+            ep.in_flight -= 1
+        ep.breaker.on_success()
+        ep.completed += 1
+        ep.tokens += sample.num_tokens
+        ep.bytes += sample.nbytes
+        sample.latency_s = time.monotonic() - t0
+        sample.attempts = attempt
+        ep.latency_ewma_s = (
+            sample.latency_s if ep.completed == 1 else 0.9 * ep.latency_ewma_s + 0.1 * sample.latency_s
+        )
+        return sample
+
+    async def _pause(self, seconds: float) -> None:
+        """Sleep ``seconds`` (a retry's backoff, a wait for a server); FetchStopped once stopping."""
+        if not self._stopping.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), seconds)
+        if self._stopping.is_set():
+            raise FetchStopped()
+
+    def stop_retrying(self) -> None:
+        """No more retries or waits: fetches that would retry or wait for a server end with FetchStopped.
+
+        Requests already sent go on (cancel their tasks to end them sooner), and so does the first
+        attempt of a fetch while a server is available.
+        """
+        self._stopping.set()
 
     async def _fetch_once(self, ep: Endpoint, prompt: RenderedPrompt) -> FetchedSample:
         url = ep.url
@@ -370,7 +400,8 @@ class HiddenStateClient:
         try:
             parts = self.shared.relative(path)
         except UnsafePath:
-            await self._remove_misplaced(path, request_id)
+            if self.config.delete_files:
+                await remove_misplaced(path, request_id, min(self.config.file_wait_s, 10.0))
             raise FatalError(
                 "path_outside_shared_dir",
                 f"{url} wrote {path!r}, outside the shared directory {self.config.shared_dir!r}: set --shared-dir "
@@ -442,29 +473,6 @@ class HiddenStateClient:
         except protocol.ProtocolError as e:
             raise FatalError("protocol", f"{url}: {e}", url) from None
 
-    async def _remove_misplaced(self, path: str, request_id: str) -> None:
-        """Remove a file the server wrote outside the shared directory, once its writer is done.
-
-        Only a file whose name starts with this request's unique id is removed (see
-        :func:`~hsgen.shared_dir.remove_own_file`); waits at most ``file_wait_s`` (10 s at most).
-        """
-        if not self.config.delete_files:
-            return
-        lock = protocol.lock_path(path)
-        deadline = time.monotonic() + min(self.config.file_wait_s, 10.0)
-        seen_lock = False
-        while time.monotonic() < deadline:
-            held = lock_held(lock)
-            seen_lock = seen_lock or held is not None
-            if held is False and os.path.lexists(path):
-                break
-            if held is None and seen_lock:
-                break
-            if held is None and not seen_lock and os.path.lexists(path):
-                break
-            await asyncio.sleep(0.02)
-        remove_own_file(path, request_id)
-
     def stats(self) -> dict[str, dict[str, Any]]:
         """Per-endpoint counters: in flight, completed, failed, tokens, bytes, breaker state."""
         now = time.monotonic()
@@ -488,6 +496,7 @@ __all__ = [
     "ClientConfig",
     "FatalError",
     "FetchError",
+    "FetchStopped",
     "FetchedSample",
     "HiddenStateClient",
     "all_finite",

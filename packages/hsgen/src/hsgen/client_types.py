@@ -38,19 +38,21 @@ class ClientConfig:
         breaker_threshold: consecutive transient failures that open an endpoint's breaker.
         breaker_cooldown_s: how long an open breaker rejects requests before one probe.
         check_finite: refuse samples with NaN or infinite values.
+        map_files: map the server's files instead of reading them: one copy less, but a writer
+            that truncates a file later (a hostile server, anyone who can write the shared
+            directory) kills this process with SIGBUS; only for trusted servers and directories.
+        rows_in_file: leave the hidden states in the open file (its name removed all the same)
+            as :class:`hsgen.hidden_file.FileRows`, for a consumer that copies each sample once
+            (spectrain's read-once online mode): one copy, from the file into its buffer. The
+            file's pages stay allocated until the rows are closed.
         delete_files: remove the server's file and lock after reading (vLLM never does).
         max_connections: keep-alive connections per endpoint (0 = unlimited).
-        read_threads: threads mapping and validating files.
+        read_threads: threads reading and validating files.
         max_down_s: end with :class:`FatalError` when no endpoint has answered any request for
             this long (0 = never give up).
         probe_timeout_s: limit for each endpoint's ``GET /v1/models`` in :meth:`HiddenStateClient.probe`.
         request_prefix: start of every ``X-Request-Id`` (and so of every file name) this client
             causes; default a fresh ``hsgen-<12 hex>-`` (:func:`hsgen.shared_dir.new_client_prefix`).
-        map_files: map each file's hidden states (a read-only array over a private mapping).
-            False leaves them in the open file (its name removed all the same) as
-            :class:`hsgen.hidden_file.FileRows`, for a consumer that copies each sample once
-            (spectrain's read-once online mode): no mapping is set up and torn down per file.
-            The file's pages stay allocated until the rows are closed.
     """
 
     endpoints: Sequence[str]
@@ -69,13 +71,14 @@ class ClientConfig:
     breaker_threshold: int = 5
     breaker_cooldown_s: float = 10.0
     check_finite: bool = True
+    map_files: bool = False
+    rows_in_file: bool = False
     delete_files: bool = True
     max_connections: int = 0
     read_threads: int = 4
     max_down_s: float = 600.0
     probe_timeout_s: float = 10.0
     request_prefix: str = field(default_factory=new_client_prefix)
-    map_files: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.endpoints, str):
@@ -113,8 +116,9 @@ class FetchedSample:
     Attributes:
         sample_id: the prompt's id.
         hidden_states: ``[T, num_layers, hidden]`` in storage dtype (uint16 bits for bf16),
-            possibly a read-only view of a mapped file (the file itself is already deleted), or
-            with ``map_files=False`` the rows still in that file (:class:`hsgen.hidden_file.FileRows`).
+            read into this process's memory, or with ``map_files`` a read-only view of the
+            mapped file (the file itself is already deleted), or with ``rows_in_file`` the rows
+            still in that file (:class:`hsgen.hidden_file.FileRows`).
         token_ids: ``[T]`` int64, equal to the prompt's ids.
         loss_mask: ``[T]`` uint8.
         dtype: logical dtype of ``hidden_states``.

@@ -31,6 +31,18 @@ class FatalError(FetchError):
         super().__init__(reason, message, transient=False, endpoint=endpoint)
 
 
+class FetchStopped(Exception):
+    """The client stopped retrying before this prompt was fetched (not the prompt's fault).
+
+    Raised by :meth:`hsgen.client.HiddenStateClient.fetch` once
+    :meth:`~hsgen.client.HiddenStateClient.stop_retrying` was called, instead of a retry or of
+    a wait for a server to come back.
+    """
+
+    def __init__(self) -> None:
+        super().__init__("the client stopped retrying")
+
+
 def describe_transport(e: BaseException, timeout_s: float) -> str:
     """A transport error in a few words: ``connection refused``, ``no answer within 10 s``, ..."""
     if isinstance(e, TimeoutError):
@@ -43,4 +55,4 @@ def describe_transport(e: BaseException, timeout_s: float) -> str:
     return f"{type(e).__name__}: {e}"
 
 
-__all__ = ["FatalError", "FetchError", "describe_transport"]
+__all__ = ["FatalError", "FetchError", "FetchStopped", "describe_transport"]

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hsgen.client import ClientConfig, FatalError, FetchError, HiddenStateClient
+from hsgen.client import ClientConfig, FatalError, FetchError, FetchStopped, HiddenStateClient
 from hsgen.prompt_filter import PromptFilter, iterate, rank_of
 from hsgen.render import RenderedPrompt, Skipped
 from hsgen.run_report import (
@@ -68,7 +68,8 @@ class GenerateConfig:
         failures_path: JSONL file for prompts that failed or were skipped (None = none).
         max_samples: stop after this many new samples are requested (None = all).
         max_consecutive_failures: abort when this many prompts fail in a row (0 = never).
-        stop_grace_s: after a stop request, how long in-flight requests may finish.
+        stop_grace_s: after a stop request, how long requests already sent may finish (those
+            waiting to be retried or for a server end at once).
         on_bad_input: ``"fail"`` stops at an id repeated with different content; ``"skip"``
             reports it and keeps the first.
     """
@@ -113,8 +114,9 @@ async def generate(
             callable) creating it from the first fetched sample, for a store that does not
             exist yet (its header needs the shape).
         progress: show a tqdm bar on stderr.
-        stop: set it to stop starting requests; in-flight ones finish within
-            ``config.stop_grace_s`` (then are cancelled) and completed samples are committed.
+        stop: set it to stop starting requests; those already sent finish within
+            ``config.stop_grace_s`` (then are cancelled), those waiting to be retried or for a
+            server end at once, and completed samples are committed.
     """
     return await _Run(config, store, progress, stop or asyncio.Event()).execute(prompts)
 
@@ -277,6 +279,8 @@ class _Run:
         sample = None
         try:
             sample = await self.client.fetch(prompt, endpoint=url)
+        except FetchStopped:
+            pass  # stopping: not a failure, the next run fetches it
         except FatalError as e:
             summary.failed += 1
             self.report.record(
@@ -310,10 +314,11 @@ class _Run:
         await self.sink.put(sample)
 
     async def _drain(self) -> None:
-        """Wait for the requests in flight: all of them, or ``stop_grace_s`` after a stop."""
+        """Wait for the requests in flight: all of them, or after a stop those sent, ``stop_grace_s`` at most."""
         if not self.tasks:
             return
         if self.stop.is_set():
+            self.client.stop_retrying()
             _done, pending = await asyncio.wait(set(self.tasks), timeout=self.config.stop_grace_s)
             for t in pending:
                 t.cancel()

@@ -435,6 +435,13 @@ async def _render_with_server(
     help="End the run (exit 1) when no server has answered for this many seconds (0 = never give up).",
 )
 @click.option(
+    "--stop-grace",
+    type=click.FloatRange(min=0.0),
+    default=30.0,
+    show_default=True,
+    help="After Ctrl-C or SIGTERM, how long requests already sent may finish before they are cancelled.",
+)
+@click.option(
     "--max-consecutive-failures",
     type=click.IntRange(min=0),
     default=200,
@@ -500,6 +507,7 @@ def generate(
     breaker_threshold,
     breaker_cooldown,
     max_down,
+    stop_grace,
     max_consecutive_failures,
     include_output_tokens,
     check_finite,
@@ -568,6 +576,7 @@ def generate(
             failures_path=failures_path or default_failures_path(store_path, rank, world_size),
             max_samples=limit,
             max_consecutive_failures=max_consecutive_failures,
+            stop_grace_s=stop_grace,
             on_bad_input=on_bad_input,
         )
     except ValueError as e:

@@ -1,11 +1,19 @@
-"""The file step: wait for a server's hidden-state file, map it, validate it, remove it.
+"""The file step: wait for a server's hidden-state file, read it, validate it, remove it.
 
 vLLM writes ``<shared dir>/cmpl-<id>-<i>-<hex>.safetensors`` (``docs/serve.md``): before the
 response (0.18-0.21), from a writer pool under ``<file>.lock`` (0.22-0.23) or only after the
 response (0.24+). :class:`HiddenFileReader` waits for the lock to be released or the file to
-appear, maps the file, checks keys, shapes, dtypes, token ids and finite values, and removes the
+appear, reads the file, checks keys, shapes, dtypes, token ids and finite values, and removes the
 file and its lock. Every file operation goes through :class:`~hsgen.shared_dir.SharedDir`: no
 link is followed, no open can block, only regular files are read.
+
+The states are read (``preadv`` into new arrays), not mapped, unless asked (``map_file``): a
+mapping stays tied to the file, and a writer truncating it later, even after it was unlinked,
+kills this process with SIGBUS the next time the samples are touched. Mapping saves a copy, so
+it is offered for servers and shared directories that are trusted. A consumer that copies each
+sample once (spectrain's read-once online mode) can leave the rows in the open file instead
+(``rows_in_file``: :class:`FileRows`) and read them straight into its own buffer.
+``scripts/bench_server_files.py`` measures both (docs/decisions.md).
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ import numpy as np
 from hsgen import protocol
 from hsgen.errors import FetchError
 from hsgen.render import RenderedPrompt
-from hsgen.shared_dir import SharedDir, UnsafePath
+from hsgen.shared_dir import SharedDir, UnsafePath, lock_held, remove_own_file
 
 STORAGE_DTYPES = {"bfloat16": np.uint16, "float16": np.float16, "float32": np.float32}
 """Logical dtype -> numpy dtype the states are kept in (bf16 as raw uint16 bits, like the store)."""
@@ -140,16 +148,21 @@ class FileRows:
 
 
 def read_hidden_states_fd(
-    fd: int, *, map_hidden: bool = True
+    fd: int, *, map_file: bool = False, rows_in_file: bool = False
 ) -> tuple[np.ndarray | FileRows, np.ndarray, str]:
-    """Map an open vLLM hidden-states safetensors file: ``(hidden_states, token_ids, dtype)``.
+    """Read an open vLLM hidden-states safetensors file: ``(hidden_states, token_ids, dtype)``.
 
-    The arrays are read-only views of a private mapping, so no bytes are copied in user space;
-    ``fd`` may be closed afterwards. With ``map_hidden=False`` nothing is mapped: the token ids
-    are read, and the hidden states are :class:`FileRows` on a duplicate of ``fd``.
+    The header is checked (:func:`hsgen.protocol.read_safetensors_header`), then each tensor is
+    read with ``preadv`` straight into a new array: the arrays are this process's own memory,
+    which nothing done to the file afterwards can change. With ``map_file`` they are read-only
+    views of a private mapping instead (no copy; a writer truncating the file later kills this
+    process with SIGBUS when they are touched). With ``rows_in_file`` the token ids are read and
+    the hidden states are :class:`FileRows` on a duplicate of ``fd``: read later, once, straight
+    into the consumer's buffer (a file truncated meanwhile gives a short read, an error, never a
+    SIGBUS). ``fd`` may be closed afterwards.
 
     Raises:
-        NotReady: the file is truncated.
+        NotReady: the file is shorter than its header says (or shrank while it was read).
         protocol.ProtocolError: keys, dtypes or shapes are wrong.
     """
     size = os.fstat(fd).st_size
@@ -175,23 +188,38 @@ def read_hidden_states_fd(
             f"shapes hidden_states {list(hs.shape)} / token_ids {list(ti.shape)} are not [T, layers, hidden] / [T]"
         )
     storage = np.dtype(STORAGE_DTYPES[hs.dtype])
-    if not map_hidden:
+    if rows_in_file:
         try:
             held = _OpenFile(os.dup(fd))
-        except OSError as e:  # out of descriptors (many samples held): map this one instead
+        except OSError as e:  # out of descriptors (many samples held): read this one now
             if e.errno not in (errno.EMFILE, errno.ENFILE):
                 raise
         else:
-            tokens = np.empty(ti.shape[0], dtype=np.int64)
-            got = os.preadv(fd, [memoryview(tokens).cast("B")], ti.start) if tokens.nbytes else 0
-            if got != tokens.nbytes:
+            try:
+                tokens = _pread_array(fd, ti, np.dtype(np.int64))
+            except BaseException:
                 held.close()
-                raise NotReady("token_ids are truncated")
+                raise
             return FileRows(held, hs.start, hs.shape, storage), tokens, hs.dtype
-    mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0), prot=mmap.PROT_READ)
-    hidden = np.frombuffer(mm, dtype=storage, count=hs.nbytes // storage.itemsize, offset=hs.start)
-    tokens = np.frombuffer(mm, dtype=np.int64, count=ti.shape[0], offset=ti.start)
-    return hidden.reshape(hs.shape), tokens, hs.dtype
+    if map_file:
+        flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0)
+        mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)
+        hidden = np.frombuffer(mm, dtype=storage, count=hs.nbytes // storage.itemsize, offset=hs.start)
+        tokens = np.frombuffer(mm, dtype=np.int64, count=ti.shape[0], offset=ti.start)
+        return hidden.reshape(hs.shape), tokens, hs.dtype
+    return _pread_array(fd, hs, storage), _pread_array(fd, ti, np.dtype(np.int64)), hs.dtype
+
+
+def _pread_array(fd: int, tensor: protocol.TensorInfo, dtype: np.dtype) -> np.ndarray:
+    out = np.empty(tensor.shape, dtype=dtype)
+    view = memoryview(out.reshape(-1)).cast("B")
+    done = 0
+    while done < tensor.nbytes:
+        n = os.preadv(fd, [view[done:]], tensor.start + done)
+        if n == 0:
+            raise NotReady(f"file shrank below byte {tensor.start + done} while it was read")
+        done += n
+    return out
 
 
 def read_hidden_states_file(path: str) -> tuple[np.ndarray, np.ndarray, str]:
@@ -225,7 +253,8 @@ class FileWait:
     settle_s: float
     check_finite: bool
     include_output_tokens: bool
-    map_hidden: bool = True
+    map_files: bool = False
+    rows_in_file: bool = False
 
 
 class HiddenFileReader:
@@ -234,7 +263,7 @@ class HiddenFileReader:
     Args:
         shared: the shared directory handle.
         wait: timeouts and checks.
-        pool: executor that maps and validates files (off the event loop).
+        pool: executor that reads and validates files (off the event loop).
     """
 
     def __init__(self, shared: SharedDir, wait: FileWait, pool):
@@ -303,7 +332,9 @@ class HiddenFileReader:
         if fd is None:
             raise NotReady("file does not exist")
         try:
-            hidden, tokens, dtype = read_hidden_states_fd(fd, map_hidden=self.wait.map_hidden)
+            hidden, tokens, dtype = read_hidden_states_fd(
+                fd, map_file=self.wait.map_files, rows_in_file=self.wait.rows_in_file
+            )
         except protocol.ProtocolError as e:
             raise FetchError("bad_file", f"{path}: {e}", transient=True) from None
         finally:
@@ -334,6 +365,28 @@ class HiddenFileReader:
         self.shared.remove(self.shared.lock_parts(parts))
 
 
+async def remove_misplaced(path: str, request_id: str, wait_s: float) -> None:
+    """Remove a file a server wrote outside the shared directory, once its writer is done.
+
+    Only a file whose name starts with this request's unique id is removed (see
+    :func:`~hsgen.shared_dir.remove_own_file`); waits at most ``wait_s`` for the writer.
+    """
+    lock = protocol.lock_path(path)
+    deadline = time.monotonic() + wait_s
+    seen_lock = False
+    while time.monotonic() < deadline:
+        held = lock_held(lock)
+        seen_lock = seen_lock or held is not None
+        if held is False and os.path.lexists(path):
+            break
+        if held is None and seen_lock:
+            break
+        if held is None and not seen_lock and os.path.lexists(path):
+            break
+        await asyncio.sleep(0.02)
+    remove_own_file(path, request_id)
+
+
 __all__ = [
     "STORAGE_DTYPES",
     "FileRows",
@@ -343,4 +396,5 @@ __all__ = [
     "all_finite",
     "read_hidden_states_fd",
     "read_hidden_states_file",
+    "remove_misplaced",
 ]

@@ -240,10 +240,16 @@ class TensorInfo:
 
 
 def read_safetensors_header(f: BinaryIO, file_size: int | None = None) -> dict[str, TensorInfo]:
-    """Parse a safetensors header from an open binary file (positioned anywhere).
+    """Parse and check a safetensors header from an open binary file (positioned anywhere).
 
-    Tensor order in the file is not assumed. Raises ``ProtocolError`` on a truncated or
-    malformed file, including data offsets that run past ``file_size`` when given.
+    Accepts only what the safetensors library accepts (a differential test holds it to that):
+    a UTF-8 JSON object; each tensor a known dtype, a shape of non-negative integers and
+    ``data_offsets`` that match it; the tensors, in offset order, tile the data from its first
+    byte with no gap or overlap; ``__metadata__``, if present, maps strings to strings.
+
+    Raises:
+        ProtocolError: the file is malformed, or shorter than its header says ("truncated";
+            given ``file_size``, a file longer than its tensors is malformed).
     """
     f.seek(0)
     prefix = f.read(8)
@@ -255,37 +261,62 @@ def read_safetensors_header(f: BinaryIO, file_size: int | None = None) -> dict[s
     raw = f.read(header_len)
     if len(raw) != header_len:
         raise ProtocolError("safetensors header is truncated")
+    return _parse_safetensors_header(raw, file_size)
+
+
+def _parse_safetensors_header(raw: bytes, file_size: int | None) -> dict[str, TensorInfo]:
     try:
-        header = json.loads(raw)
-    except json.JSONDecodeError as e:
+        header = json.loads(raw.decode("utf-8")) if raw[:1] == b"{" else None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ProtocolError(f"safetensors header is not JSON: {e}") from None
-    base = 8 + header_len
+    if not isinstance(header, dict):
+        raise ProtocolError("safetensors header is not a JSON object")
+    base = 8 + len(raw)
     tensors: dict[str, TensorInfo] = {}
     for name, entry in header.items():
         if name == "__metadata__":
+            if not isinstance(entry, dict) or not all(isinstance(v, str) for v in entry.values()):
+                raise ProtocolError(f"safetensors __metadata__ is not a map of strings: {entry!r:.200}")
             continue
-        try:
-            tag = entry["dtype"]
-            shape = tuple(int(s) for s in entry["shape"])
-            begin, end = (int(x) for x in entry["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise ProtocolError(f"safetensors entry {name!r} is malformed: {entry!r}") from None
-        if tag not in SAFETENSORS_DTYPES:
-            raise ProtocolError(f"safetensors tensor {name!r} has unsupported dtype {tag}")
-        logical, itemsize = SAFETENSORS_DTYPES[tag]
-        count = 1
-        for s in shape:
-            count *= s
-        if end - begin != count * itemsize or begin < 0:
+        tensors[name] = _tensor_entry(name, entry, base)
+    pos = base
+    for t in sorted(tensors.values(), key=lambda t: (t.start, t.end)):
+        if t.start != pos:
             raise ProtocolError(
-                f"safetensors tensor {name!r}: offsets {begin}..{end} do not match shape {shape}"
+                f"safetensors tensor {t.name!r} starts at data byte {t.start - base}, not {pos - base} "
+                "(a gap or an overlap)"
             )
-        if file_size is not None and base + end > file_size:
-            raise ProtocolError(
-                f"safetensors tensor {name!r} ends at byte {base + end} but the file has {file_size} bytes (truncated)"
-            )
-        tensors[name] = TensorInfo(name, logical, shape, base + begin, base + end)
+        pos = t.end
+    if file_size is not None and pos > file_size:
+        raise ProtocolError(
+            f"safetensors data ends at byte {pos} but the file has {file_size} bytes (truncated)"
+        )
+    if file_size is not None and pos < file_size:
+        raise ProtocolError(f"safetensors data ends at byte {pos} but the file has {file_size} bytes")
     return tensors
+
+
+def _tensor_entry(name: str, entry: Any, base: int) -> TensorInfo:
+    def whole(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= set(entry):
+        raise ProtocolError(f"safetensors entry {name!r} is malformed: {entry!r:.200}")
+    tag, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if not isinstance(tag, str) or tag not in SAFETENSORS_DTYPES:
+        raise ProtocolError(f"safetensors tensor {name!r} has unsupported dtype {tag!r:.50}")
+    if not isinstance(shape, list) or not all(whole(s) for s in shape):
+        raise ProtocolError(f"safetensors tensor {name!r} has a bad shape {shape!r:.200}")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(whole(x) for x in offsets):
+        raise ProtocolError(f"safetensors tensor {name!r} has bad data_offsets {offsets!r:.200}")
+    logical, itemsize = SAFETENSORS_DTYPES[tag]
+    count = 1
+    for s in shape:
+        count *= s
+    begin, end = offsets
+    if end - begin != count * itemsize:
+        raise ProtocolError(f"safetensors tensor {name!r}: offsets {begin}..{end} do not match shape {shape}")
+    return TensorInfo(name, logical, tuple(shape), base + begin, base + end)
 
 
 def safetensors_header_bytes(tensors: Sequence[tuple[str, str, Sequence[int]]]) -> tuple[bytes, list[int]]:

@@ -8,7 +8,8 @@ with three of torch's tools watching:
 - :class:`torch.distributed._tools.mem_tracker.MemTracker` follows every tensor storage from
   creation to release (parameters, gradients, optimizer state, activations, temporaries) and
   keeps the peak;
-- :class:`WorstCaseShapes` answers the few data-dependent operations fake tensors cannot:
+- :class:`WorstCaseShapes` answers the data-dependent operations fake tensors cannot, should a
+  step hold any (the built-in drafts' training steps have none since their shapes were fixed):
   ``nonzero`` and boolean indexing keep every element (an upper bound), a scalar read is 1.
 
 Attention is the one kernel replaced (:func:`attention_stand_in`): a CPU build of torch refuses

@@ -26,6 +26,9 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from spectrain.draft_io import DraftLoadError as DraftLoadError
+from spectrain.draft_io import draft_config_from_export as draft_config_from_export
+
 log = logging.getLogger(__name__)
 
 DTYPES = {
@@ -498,125 +501,29 @@ class DraftProposer:
         return self.model.propose(DraftContext(hidden_states, list(token_ids)), num_tokens)
 
 
-class DraftLoadError(ValueError):
-    """An exported draft directory that cannot be loaded (names the file and the field)."""
-
-
-def _need(cfg: dict[str, Any], key: str, where: str) -> Any:
-    if cfg.get(key) is None:
-        raise DraftLoadError(f"{where}: missing field {key!r}")
-    return cfg[key]
-
-
-def draft_config_from_export(cfg: dict[str, Any], vocab_size: int, where: str = "config.json"):
-    """Rebuild the training config of an exported draft from its vLLM ``config.json``.
-
-    Returns:
-        ``(DraftConfig, num_speculative_tokens)``.
-    """
-    from spectrain.models import get_config_class
-
-    algorithm = _need(cfg, "speculators_model_type", where)
-    layer = _need(cfg, "transformer_layer_config", where)
-    spec = _need(cfg, "speculators_config", where)
-    try:
-        k = int(spec["proposal_methods"][0]["speculative_tokens"])
-    except (KeyError, IndexError, TypeError, ValueError):
-        raise DraftLoadError(
-            f"{where}: speculators_config.proposal_methods[0].speculative_tokens is missing"
-        ) from None
-    common = {
-        "num_layers": int(_need(layer, "num_hidden_layers", f"{where}: transformer_layer_config")),
-        "num_attention_heads": layer.get("num_attention_heads"),
-        "num_key_value_heads": layer.get("num_key_value_heads"),
-        "head_dim": layer.get("head_dim"),
-        "intermediate_size": layer.get("intermediate_size"),
-    }
-    draft_vocab = cfg.get("draft_vocab_size")
-    if algorithm == "dflash":
-        block = int(cfg.get("block_size") or k + 1)
-        if block != k + 1:
-            raise DraftLoadError(
-                f"{where}: block_size {block} but speculative_tokens {k} (expected block_size - 1)"
-            )
-        fields = {
-            **common,
-            "aux_layer_ids": tuple(_need(cfg, "aux_hidden_state_layer_ids", where)),
-            "block_size": block,
-            "mask_token_id": int(_need(cfg, "mask_token_id", where)),
-            "draft_vocab_size": int(draft_vocab) if draft_vocab and int(draft_vocab) < vocab_size else None,
-        }
-    elif algorithm == "eagle3":
-        fields = {
-            **common,
-            "aux_layer_ids": tuple(_need(cfg, "eagle_aux_hidden_state_layer_ids", where)),
-            "draft_vocab_size": int(draft_vocab) if draft_vocab else None,
-            "ttt_steps": k,
-            "norm_before_residual": bool(cfg.get("norm_before_residual", True)),
-        }
-    else:
-        raise DraftLoadError(f"{where}: speculators_model_type {algorithm!r} is not dflash or eagle3")
-    try:
-        config_class = get_config_class(algorithm)
-        return config_class(**fields), k
-    except (TypeError, ValueError) as e:
-        raise DraftLoadError(f"{where}: {e}") from None
-
-
 def load_exported_draft(
-    draft_dir: str | Path, verifier_path: str | Path, *, device: str = "cpu"
+    draft_dir: str | Path,
+    verifier_path: str | Path,
+    *,
+    device: str = "cpu",
+    block_attention: str | None = None,
 ) -> DraftProposer:
-    """Load a directory written by ``spectrain export`` (the format vLLM serves) for proposing.
+    """Load an exported draft directory (``spectrain export``'s, or speculators' ``save_pretrained``)
+    for proposing.
 
-    The weights are bf16 as exported; they are computed in float32. The verifier's embeddings
-    and LM head (shared with the draft, not exported) come from ``verifier_path``.
+    The weights are computed in float32. The verifier's embeddings and LM head (shared with the
+    draft) come from ``verifier_path``. ``block_attention`` overrides a DFlash draft's
+    ``sliding_window_non_causal`` (None: as vLLM serves the config); see
+    :func:`spectrain.draft_io.draft_config_from_export`.
     """
-    import json
-
-    from safetensors.torch import load_file
-
-    from spectrain.models import build_draft
+    from spectrain.draft_io import build_exported_draft
     from spectrain.verifier import VerifierHeads
 
-    draft_dir = Path(draft_dir)
-    cfg_path, weights_path = draft_dir / "config.json", draft_dir / "model.safetensors"
-    for p in (cfg_path, weights_path):
-        if not p.is_file():
-            raise DraftLoadError(f"{p}: not found (expected a directory written by `spectrain export`)")
-    try:
-        raw = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise DraftLoadError(f"{cfg_path}:{e.lineno}: invalid JSON: {e.msg}") from None
     heads = VerifierHeads.load(verifier_path, dtype=torch.float32)
-    cfg, k = draft_config_from_export(raw, heads.vocab_size, str(cfg_path))
-    model = build_draft(cfg, heads)
-    weights = load_file(str(weights_path))
-    state = model.state_dict()
-    if cfg.algorithm == "dflash" and "lm_head.weight" in weights and "lm_head.weight" not in state:
-        weights.pop("lm_head.weight")  # the verifier's rows over the draft vocabulary, rebuilt from d2t
-    for name in ("embed_tokens.weight",):
-        if name in weights and name not in state:
-            raise DraftLoadError(
-                f"{weights_path}: {name} differs from the verifier's shared one; not supported"
-            )
-    missing = sorted(set(state) - set(weights))
-    unexpected = sorted(set(weights) - set(state))
-    if missing or unexpected:
-        raise DraftLoadError(f"{weights_path}: missing weights {missing}, unexpected weights {unexpected}")
-    for name, t in weights.items():
-        if tuple(t.shape) != tuple(state[name].shape):
-            raise DraftLoadError(
-                f"{weights_path}: {name} has shape {tuple(t.shape)}, the config implies {tuple(state[name].shape)}"
-            )
-    model.load_state_dict({n: t.to(state[n].dtype) for n, t in weights.items()})
+    model, k = build_exported_draft(draft_dir, heads, block_attention=block_attention)
     model.to(device).eval()
     heads.to(device)
-    log.info(
-        "draft: %s (%s, K=%d, layers %s) from %s",
-        cfg.algorithm,
-        type(model).__name__,
-        k,
-        cfg.aux_layer_ids,
-        draft_dir,
-    )
+    cfg = model.cfg
+    log.info("draft: %s (%s, K=%d, layers %s) from %s", cfg.algorithm, type(model).__name__, k, cfg.aux_layer_ids,
+             draft_dir)  # fmt: skip
     return DraftProposer(model, k, str(draft_dir))

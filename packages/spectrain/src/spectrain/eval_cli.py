@@ -140,6 +140,13 @@ def follow_latest(path: str) -> str:
     help="Torch device for verifier and draft: auto (cuda if available), cpu, cuda:1, ...",
 )
 @click.option(
+    "--block-attention",
+    type=click.Choice(["auto", "bidirectional", "causal"]),
+    default="auto",
+    help="DFlash: attention inside the block; auto follows config.json's sliding_window_non_causal as vLLM "
+    "serves it (false = causal).",
+)
+@click.option(
     "--torch-threads",
     default=0,
     type=click.IntRange(min=0),
@@ -155,8 +162,8 @@ def follow_latest(path: str) -> str:
 )
 @click.option("--log-level", default="WARNING", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]))
 def eval_command(draft_dir, verifier, revision, prompts_path, max_new_tokens, split, chat_template, template_kwargs,
-                 layer_ids, num_prompts, num_speculative_tokens, dtype, device, torch_threads, as_json, progress,
-                 log_level) -> None:  # fmt: skip
+                 layer_ids, num_prompts, num_speculative_tokens, dtype, device, block_attention, torch_threads, as_json,
+                 progress, log_level) -> None:  # fmt: skip
     """Speculative decoding with greedy verification: tau, per-position acceptance, exactness.
 
     The verifier runs with transformers; the draft is loaded from the exported (vLLM) format.
@@ -193,7 +200,8 @@ def eval_command(draft_dir, verifier, revision, prompts_path, max_new_tokens, sp
     except HubError as e:
         raise click.BadParameter(str(e), param_hint="--verifier") from None
     try:
-        proposer = load_exported_draft(draft_dir, verifier, device=device)
+        proposer = load_exported_draft(draft_dir, verifier, device=device,
+                                       block_attention=None if block_attention == "auto" else block_attention)  # fmt: skip
         layers = _layer_ids(layer_ids, proposer.layer_ids)
         ver, tokenizer = load_verifier(verifier, layers, dtype=dtype, device=device)
         from hsgen.cli import json_object_option
@@ -222,6 +230,7 @@ def eval_command(draft_dir, verifier, revision, prompts_path, max_new_tokens, sp
         "algorithm": proposer.algorithm,
         "verifier": str(verifier_arg),
         "layer_ids": list(layers),
+        "block_attention": getattr(proposer.model.cfg, "block_attention", None),
         "max_new_tokens": max_new_tokens,
         "verifier_dtype": dtype,
         **report.to_dict(),

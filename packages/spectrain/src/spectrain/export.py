@@ -152,10 +152,13 @@ def export_draft(
     verifier_name: str,
     architectures: Sequence[str] = (),
     state: dict[str, torch.Tensor] | None = None,
+    include_embeddings: bool = False,
 ) -> Path:
     """Write ``config.json`` + ``model.safetensors`` into ``out_dir`` (created if needed).
 
     ``state``: a full state dict to export instead of the module's own (FSDP gathers one).
+    ``include_embeddings``: also write the verifier's ``embed_tokens.weight`` (vLLM shares the
+    target's when it is absent; speculators 0.9.0's ``Eagle3DraftModel.from_pretrained`` needs it).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -167,6 +170,8 @@ def export_draft(
             verifier_name,
         )
     weights = vllm_weights(model, state)
+    if include_embeddings:
+        weights["embed_tokens.weight"] = _cast("embed_tokens.weight", model.verifier.embed_tokens)
     config = model.vllm_config(verifier_name, architectures)
     save_file(weights, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
     os.chmod(out / WEIGHTS_NAME, 0o644)  # safetensors creates it 0600; a serving user must read it

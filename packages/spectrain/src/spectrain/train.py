@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import os
 import random
 import shutil
@@ -46,16 +45,14 @@ from spectrain.data import token_frequencies as count_tokens
 from spectrain.export import export_draft
 from spectrain.loader import BufferPool
 from spectrain.models.registry import DraftConfig, DraftModel, build_draft, get_config_class
+from spectrain.optim import OptimConfig, Optimizers, build_optimizers, lr_lambda
+from spectrain.step import NonFiniteTraining, StepChecks, StepResult, add_sums, train_step
 from spectrain.verifier import VerifierHeads
 
 log = logging.getLogger(__name__)
 
 STATE_DIR = "trainer"
 LATEST = "latest"
-
-
-class NonFiniteTraining(ValueError):
-    """The loss or the gradients stayed NaN/inf for ``max_nonfinite_steps`` steps in a row."""
 
 
 @dataclass
@@ -80,6 +77,21 @@ class TrainConfig:
     stop_after_steps: int | None = None
     """Stop (with a checkpoint) at this step without changing the schedule: time-boxed jobs."""
     lr: float = 6e-4
+    """Peak learning rate (AdamW; Muon's too unless ``muon_lr`` is set)."""
+    optimizer: str = "auto"
+    """``adamw``, ``muon`` (``torch.optim.Muon`` on the weight matrices, AdamW on the rest), or
+    ``auto``: the algorithm's measured choice (``DraftConfig.default_optimizer``)."""
+    muon_lr: float | None = None
+    """Muon's peak learning rate (None: ``lr``)."""
+    muon_momentum: float = 0.95
+    muon_weight_decay: float = 0.1
+    muon_ns_steps: int = 5
+    """Newton-Schulz iterations of Muon's orthogonalisation."""
+    muon_adjust_lr: str = "match_rms_adamw"
+    """Muon's per-matrix LR scale: ``match_rms_adamw`` or ``original``."""
+    from_pretrained: str | None = None
+    """Start from an exported draft directory (ours or speculators'): its architecture and
+    weights; ignored when resuming a checkpoint."""
     min_lr_ratio: float = 0.0
     """Final learning rate as a fraction of ``lr``."""
     schedule: str = "cosine"
@@ -88,12 +100,14 @@ class TrainConfig:
     """Linear warmup steps (default: ``warmup_ratio`` of all steps)."""
     warmup_ratio: float = 0.04
     weight_decay: float = 0.0
+    """AdamW's weight decay (with Muon: of the tensors AdamW updates)."""
     betas: tuple[float, float] = (0.9, 0.95)
     max_grad_norm: float = 1.0
     """Gradient clipping by global norm (0 disables)."""
     max_nonfinite_steps: int = 10
     """A step whose loss or gradient norm is NaN/inf is skipped (never applied, never exported); this
-    many in a row stop the run with an error."""
+    many in a row stop the run with an error (found when the step flags are read: every
+    ``min(log_every, max_nonfinite_steps)`` steps and before each checkpoint)."""
     total_seq_len: int = 8192
     """Token slots per packed sequence (one sequence per micro-step)."""
     grad_accum: int = 1
@@ -137,7 +151,8 @@ class TrainConfig:
     vocab_scan_samples: int = 10000
     """Training samples scanned for token frequencies (draft vocabulary)."""
     compile: bool = False
-    """``torch.compile`` the draft's layers (CUDA)."""
+    """``torch.compile`` the draft's whole training forward (its loss included; under FSDP each
+    decoder layer). Off by default until a GPU run measures it (docs/decisions.md)."""
     online: bool = False
     """Generate hidden states from vLLM endpoints while training (spectrain.online)."""
     endpoints: list[str] = field(default_factory=list)
@@ -154,6 +169,13 @@ class TrainConfig:
         d = dataclasses.asdict(self)
         d["betas"] = list(self.betas)
         return d
+
+    def optim_config(self, default_optimizer: str = "adamw") -> OptimConfig:
+        """The optimizer settings among these fields (``auto`` resolved to ``default_optimizer``)."""
+        opt = OptimConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(OptimConfig)})
+        if opt.optimizer == "auto":
+            opt.optimizer = default_optimizer
+        return opt
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], *, where: str = "config") -> TrainConfig:
@@ -180,6 +202,7 @@ class TrainConfig:
             raise ValueError(f"distributed: {self.distributed!r} is not ddp | fsdp")
         if self.precision not in ("auto", "bf16", "fp32"):
             raise ValueError(f"precision: {self.precision!r} is not auto | bf16 | fp32")
+        self.optim_config().check()
         for name in ("epochs", "grad_accum", "total_seq_len", "log_every", "max_nonfinite_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
@@ -273,19 +296,6 @@ def resolve_device(cfg: TrainConfig) -> torch.device:
     return torch.device(cfg.device)
 
 
-def lr_lambda(step: int, total: int, warmup: int, schedule: str, min_ratio: float) -> float:
-    """LR multiplier: linear warmup to 1, then cosine/linear decay to ``min_ratio`` (or constant)."""
-    if warmup > 0 and step < warmup:
-        return (step + 1) / warmup
-    if schedule == "constant":
-        return 1.0
-    span = max(1, total - warmup)
-    frac = min(1.0, (step - warmup) / span)
-    if schedule == "cosine":
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
-    return min_ratio + (1 - min_ratio) * (1 - frac)
-
-
 def resolve_layers(draft_cfg: DraftConfig, store_layer_ids: Sequence[int], verifier_layers: int) -> list[int]:
     """Fill ``aux_layer_ids``/``target_layer_id``; return indices into the stored layers (aux..., target)."""
     ids = [int(i) for i in store_layer_ids]
@@ -314,6 +324,12 @@ def resolve_layers(draft_cfg: DraftConfig, store_layer_ids: Sequence[int], verif
         raise ValueError(
             f"eagle3 needs 3 auxiliary layers; pick 3 of the store's {ids} with --target-layer-ids"
         )
+    if aux != sorted(aux):
+        log.warning("aux layer ids %s sorted to %s: vLLM concatenates auxiliary states in ascending order",
+                    aux, sorted(aux))  # fmt: skip
+        aux = sorted(aux)
+    if len(set(aux)) != len(aux):
+        raise ValueError(f"aux layer ids {aux} repeat a layer")
     draft_cfg.aux_layer_ids = tuple(aux)
     draft_cfg.target_layer_id = target
     return [ids.index(i) for i in aux] + [ids.index(target)]
@@ -419,9 +435,12 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def step_generator(seed: int, step: int, rank: int, micro: int) -> torch.Generator:
-    """The RNG of one micro-step (anchors): a pure function of the step, so resume repeats it."""
-    g = torch.Generator()
+def step_generator(
+    seed: int, step: int, rank: int, micro: int, device: torch.device | str = "cpu"
+) -> torch.Generator:
+    """The RNG of one micro-step (anchors) on ``device``: a pure function of the step, so resume
+    repeats it (seeding a CUDA generator sets host-side state only: no sync)."""
+    g = torch.Generator(device=device)
     g.manual_seed((seed * 1_000_003 + step * 9_176 + rank * 131 + micro) % (2**63))
     return g
 
@@ -480,10 +499,9 @@ class MetricSums:
     def __init__(self):
         self.sums: dict[str, torch.Tensor] = {}
 
-    def add(self, metrics: dict[str, torch.Tensor]) -> None:
-        for k, v in metrics.items():
-            v = v.detach().double()
-            self.sums[k] = self.sums[k] + v if k in self.sums else v.clone()
+    def add(self, metrics: dict[str, torch.Tensor], keep: torch.Tensor | None = None) -> None:
+        """Add ``metrics`` (device tensors; ``keep`` a 0-d bool: false adds zeros, as for a skipped step)."""
+        add_sums(self.sums, metrics, keep)
 
     def _schema(self, info: DistInfo) -> dict[str, tuple[int, ...]]:
         """Every rank's keys and shapes, merged (identical on all ranks)."""
@@ -533,6 +551,36 @@ def _collective_device() -> torch.device:
     if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+class _Window:
+    """The steps since the last log record: metric sums and FLOPs on the device, tokens, data
+    waits and wall time on the host (validation and checkpoints excluded)."""
+
+    def __init__(self):
+        self.sums = MetricSums()
+        self.flops: torch.Tensor | float = 0.0
+        self.tokens = 0
+        self.wait = 0.0
+        self.steps = 0
+        self.last: StepResult | None = None
+        self._t0 = time.perf_counter()
+        self._excluded = 0.0
+
+    def add(self, result: StepResult, tokens: int, wait: float) -> None:
+        self.sums.add(result.sums, keep=result.applied)  # a skipped step's metrics are not counted
+        self.flops = result.flops + self.flops
+        self.tokens += tokens
+        self.wait += wait
+        self.steps += 1
+        self.last = result
+
+    def exclude(self, seconds: float) -> None:
+        """Leave ``seconds`` (a validation, a checkpoint) out of the window's time."""
+        self._excluded += seconds
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self._t0 - self._excluded
 
 
 # --------------------------------------------------------------------------- the trainer
@@ -599,29 +647,30 @@ class Trainer:
         draft_opts = dict(cfg.draft)
         if self.state is not None:
             draft_opts = self.state["draft_config"]
-        self.draft_cfg = cfg_cls.from_dict(draft_opts, where="draft options")
-        self.layer_index = resolve_layers(
-            self.draft_cfg, header.layer_ids, self.verifier.info.num_hidden_layers
-        )
-        self.model: DraftModel = build_draft(self.draft_cfg, self.verifier)
+        layers = self.verifier.info.num_hidden_layers
+        if cfg.from_pretrained and self.state is None:
+            self.model: DraftModel = self._pretrained(cfg.from_pretrained, draft_opts)
+            self.draft_cfg = self.model.cfg
+            self.layer_index = resolve_layers(self.draft_cfg, header.layer_ids, layers)
+        else:
+            self.draft_cfg = cfg_cls.from_dict(draft_opts, where="draft options")
+            self.layer_index = resolve_layers(self.draft_cfg, header.layer_ids, layers)
+            self.model = build_draft(self.draft_cfg, self.verifier)
         if self.state is not None:
             self.model.load_state_dict(self.state["model"])
-        elif self.model.needs_token_counts:
+        elif self.model.needs_token_counts and not cfg.from_pretrained:
             self.model.prepare(self._token_counts())
         self.model.to(self.device)
         self.module = self.model
         self.wrapped = self._wrap(self.model)
-        params = [p for p in self.wrapped.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
-            fused=self.device.type == "cuda",
-        )  # fmt: skip
         self.total_steps = self.state["loop"]["total_steps"] if self.state else self._estimate_total_steps()
         warm = cfg.warmup_steps if cfg.warmup_steps is not None else int(cfg.warmup_ratio * self.total_steps)
         self.warmup = warm
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: lr_lambda(s, self.total_steps, warm, cfg.schedule, cfg.min_lr_ratio)
-        )
+        self.optimizer: Optimizers = build_optimizers(
+            self.wrapped, cfg.optim_config(self.draft_cfg.default_optimizer),
+            lambda s: lr_lambda(s, self.total_steps, warm, cfg.schedule, cfg.min_lr_ratio),
+            fused=True,  # fused AdamW skips a non-finite step on the device (spectrain.step)
+        )  # fmt: skip
         self.global_step = 0
         self.epoch = 0
         self.position = 0
@@ -635,7 +684,7 @@ class Trainer:
         self.metrics = MetricsLog(self.save_path, self.info.is_main, trackers, cfg.to_dict())
         self.verifier_name = cfg.verifier_name or self.verifier.info.name_or_path
         self.nonfinite_skipped = 0
-        self.nonfinite_streak = 0
+        self.checks = StepChecks(cfg.max_nonfinite_steps, lambda ids: self._vocab_error(ids))
 
     # ------------------------------------------------------------------ setup
 
@@ -654,12 +703,17 @@ class Trainer:
                         cfg.val_fraction)  # fmt: skip
 
     def _wrap(self, model: DraftModel) -> torch.nn.Module:
+        fsdp = self.info.enabled and self.cfg.distributed == "fsdp"
         if self.cfg.compile:
-            for layer in model.layers:
-                layer.compile()
+            if fsdp:  # FSDP2's hooks run around each layer: compile the layers, as torchtitan does
+                for layer in model.layers:
+                    if type(layer).forward is not torch.nn.Module.forward:
+                        layer.compile(dynamic=False)
+            else:
+                model.compile_training()
         if not self.info.enabled:
             return model
-        if self.cfg.distributed == "fsdp":
+        if fsdp:
             from torch.distributed.fsdp import fully_shard
 
             for layer in model.layers:
@@ -670,6 +724,19 @@ class Trainer:
 
         ids = [self.device.index] if self.device.type == "cuda" else None
         return DDP(model, device_ids=ids, broadcast_buffers=False)
+
+    def _pretrained(self, draft_dir: str, options: dict[str, Any]) -> DraftModel:
+        """The exported draft at ``draft_dir`` (its weights, vocabulary map and architecture) with
+        the run's training options set on its config."""
+        from spectrain.draft_io import build_exported_draft, read_draft_algorithm
+
+        algorithm = read_draft_algorithm(draft_dir)
+        if algorithm != self.cfg.speculator_type:
+            raise ValueError(f"--from-pretrained {draft_dir}: a {algorithm} draft, but speculator_type is "
+                             f"{self.cfg.speculator_type}")  # fmt: skip
+        model, _ = build_exported_draft(draft_dir, self.verifier, overrides=options)
+        log.info("starting from %s (%s)", draft_dir, algorithm)
+        return model
 
     def _token_counts(self) -> torch.Tensor:
         vocab = self.verifier.vocab_size
@@ -714,14 +781,18 @@ class Trainer:
             raise ValueError(
                 f"{self.resume_dir}: saved under {loop.get('distributed')}, resuming under {self._mode()}"
             )
+        saved_kind = loop.get("optimizer", "adamw")
+        if saved_kind != self.optimizer.kind:
+            raise ValueError(f"{self.resume_dir}: trained with optimizer {saved_kind}, resuming with "
+                             f"{self.optimizer.kind}")  # fmt: skip
         if self._mode() == "fsdp":
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-            set_optimizer_state_dict(self.wrapped, self.optimizer, state["optimizer"],
+            set_optimizer_state_dict(self.wrapped, self.optimizer.optimizers, state["optimizer"],
                                      options=StateDictOptions(full_state_dict=True))  # fmt: skip
         else:
             self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        self.optimizer.load_scheduler_state(state["scheduler"])
         _set_rng_state(state["rng"])
         self.global_step = loop["global_step"]
         self.epoch = loop["epoch"]
@@ -785,9 +856,8 @@ class Trainer:
             log.info("%s", startup_line(self))
         bar = progress_bar(total=self.total_steps, initial=self.global_step, disable=not self.info.is_main, unit="step",
                    desc=f"train {cfg.speculator_type}", dynamic_ncols=True)  # fmt: skip
-        window = MetricSums()
-        win_tokens, win_wait, win_time, win_steps, win_flops = 0, 0.0, 0.0, 0, 0.0
-        last_loss: float | None = None  # None (JSON null) when this run took no step
+        window = _Window()
+        check_every = max(1, min(cfg.log_every, cfg.max_nonfinite_steps))
         last_saved = -1
         refused = 0
         stop = False
@@ -821,35 +891,29 @@ class Trainer:
                         break
                     if go_on == 0:
                         break
-                    loss, grad_norm, sums, flops, applied = self._step(micro)
-                    step_time = time.perf_counter() - t0
+                    result = self._step(micro)  # queued on the device; nothing is read back
+                    ids = [s for b in micro for s in b.sample_ids]
                     self.position = micro[-1].plan_end
-                    self.source.consumed([s for b in micro for s in b.sample_ids])
-                    if not applied:
-                        self._skip_nonfinite(loss, grad_norm, micro)
-                        continue
-                    self.nonfinite_streak = 0
+                    self.source.consumed(ids)
                     self.global_step += 1
-                    last_loss = loss
-                    window.add(sums)
-                    win_tokens += sum(b.num_tokens for b in micro)
-                    win_wait += wait
-                    win_time += step_time
-                    win_steps += 1
-                    win_flops += flops
+                    self.checks.record(self.global_step, result, ids)
+                    window.add(result, sum(b.num_tokens for b in micro), wait)
                     bar.update(1)
-                    if self.global_step % cfg.log_every == 0:
-                        rec = self._train_record(window, win_tokens, win_wait, win_time, win_steps, win_flops,
-                                                 grad_norm, loss)  # fmt: skip
+                    logs = self.global_step % cfg.log_every == 0
+                    if logs or self.global_step % check_every == 0:
+                        self._check_steps()
+                    if logs:
+                        rec = self._train_record(window)
                         self.metrics.write(rec)
-                        bar.set_postfix(loss=f"{loss:.4f}", tau=rec.get("tau"))
-                        window = MetricSums()
-                        win_tokens, win_wait, win_time, win_steps, win_flops = 0, 0.0, 0.0, 0, 0.0
+                        bar.set_postfix(loss=f"{rec['loss']:.4f}", tau=rec.get("tau"))
+                        window = _Window()
+                    t1 = time.perf_counter()
                     if cfg.val_every and self.global_step % cfg.val_every == 0:
                         summary["validation"] = self.validate()
                     if cfg.save_every and self.global_step % cfg.save_every == 0:
                         self.save()
                         last_saved = self.global_step
+                    window.exclude(time.perf_counter() - t1)
                 batches.close()
                 refused += len(loader.refused)
                 if stop:
@@ -861,6 +925,7 @@ class Trainer:
                     summary["validation"] = self.validate()
             if last_saved != self.global_step:
                 self.save()
+            self._check_steps()
         finally:
             bar.close()
             self.metrics.close()
@@ -868,7 +933,7 @@ class Trainer:
             {
                 "step": self.global_step,
                 "epoch": self.epoch,
-                "loss": last_loss,
+                "loss": self.checks.last_loss(),  # None (JSON null) when this run applied no step
                 "checkpoint": str(self.last_checkpoint),
                 "nonfinite_steps_skipped": self.nonfinite_skipped,
             }
@@ -899,83 +964,61 @@ class Trainer:
             return True
         return cfg.stop_after_steps is not None and self.global_step >= cfg.stop_after_steps
 
-    def _step(self, micro: list) -> tuple[float, float, dict[str, torch.Tensor], float, bool]:
+    def _step(self, micro: list) -> StepResult:
+        """One optimizer step over ``micro`` (:func:`spectrain.step.train_step`): no host-device sync."""
         cfg = self.cfg
-        self.wrapped.train()
-        sums = MetricSums()
-        total = 0.0
-        flops = 0.0
-        for i, b in enumerate(micro):
-            self._check_vocab(b)
-            b = b.to(self.device, non_blocking=True)
-            gen = step_generator(cfg.seed, self.global_step, self.info.rank, i)
-            sync = i == len(micro) - 1
-            ctx = self.wrapped.no_sync() if (not sync and hasattr(self.wrapped, "no_sync")) else _null()
-            with ctx:
-                with self._autocast():
-                    loss, metrics = self.wrapped(b, gen)
-                (loss / len(micro)).backward()
-            total += float(loss.detach())
-            sums.add(metrics)
-            flops += self.module.last_flops
-        params = [p for p in self.wrapped.parameters() if p.requires_grad]
-        if cfg.max_grad_norm > 0:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
-        else:
-            grad_norm = float(torch.norm(torch.stack([p.grad.norm() for p in params if p.grad is not None])))
-        finite = math.isfinite(total) and math.isfinite(grad_norm)
-        if self.info.enabled:  # every rank skips the same steps
-            finite = bool(_all_min(int(finite), self.info, self.device))
-        if not finite:
-            self.optimizer.zero_grad(set_to_none=True)
-            return total / len(micro), grad_norm, sums.sums, flops, False
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return total / len(micro), grad_norm, sums.sums, flops, True
+        on_host = micro[0].input_ids.device.type == "cpu"
+        if on_host:  # host tensors: checked before they are sent, for free
+            for b in micro:
+                self._check_vocab(b)
+        gens = [
+            step_generator(cfg.seed, self.global_step, self.info.rank, i, self.device)
+            for i in range(len(micro))
+        ]
+        return train_step(self.module, self.wrapped, self.optimizer, micro, gens, autocast=self._autocast,
+                          max_grad_norm=cfg.max_grad_norm, device=self.device, distributed=self.info.enabled,
+                          vocab_size=None if on_host else self.verifier.vocab_size)  # fmt: skip
 
     def _check_vocab(self, b) -> None:
         """Refuse a batch holding token ids the verifier does not have (another tokenizer made it)."""
         top = int(b.input_ids.max()) if b.input_ids.numel() else 0
         if top >= self.verifier.vocab_size:
-            raise ValueError(
-                f"samples {b.sample_ids[:4]} hold token id {top}, beyond the verifier's vocabulary of "
-                f"{self.verifier.vocab_size} ({self.cfg.verifier}): they were rendered with another tokenizer"
-            )
+            raise self._vocab_error(b.sample_ids, top)
 
-    def _skip_nonfinite(self, loss: float, grad_norm: float, micro: list) -> None:
-        """Count a skipped non-finite step; raise :class:`NonFiniteTraining` after too many in a row."""
-        self.nonfinite_skipped += 1
-        self.nonfinite_streak += 1
-        ids = [s for b in micro for s in b.sample_ids]
-        shown = ", ".join(repr(i) for i in ids[:4]) + (f" and {len(ids) - 4} more" if len(ids) > 4 else "")
-        log.warning(
-            "step %d: loss %s, gradient norm %s: not finite, the step is skipped (samples %s; %d skipped so far)",
-            self.global_step + 1, loss, grad_norm, shown, self.nonfinite_skipped,
-        )  # fmt: skip
-        limit = self.cfg.max_nonfinite_steps
-        if self.nonfinite_streak >= limit:
-            raise NonFiniteTraining(
-                f"the loss or gradients were NaN/inf for {limit} steps in a row (after step {self.global_step}, "
-                f"last samples {shown}): nothing of them was applied or saved; check the store with "
-                "hsgen verify, or lower --lr (--max-nonfinite-steps sets the limit)"
-            )
+    def _vocab_error(self, sample_ids: list[str], top: int | None = None) -> ValueError:
+        held = f"token id {top}" if top is not None else "token ids"
+        return ValueError(
+            f"samples {sample_ids[:4]} hold {held}, beyond the verifier's vocabulary of "
+            f"{self.verifier.vocab_size} ({self.cfg.verifier}): they were rendered with another tokenizer"
+        )
 
-    def _train_record(self, window, tokens, wait, elapsed, steps, flops, grad_norm, loss) -> dict[str, Any]:
-        summ = window.summary(self.info)
-        world_tokens = tokens * self.info.world_size
+    def _check_steps(self) -> None:
+        """Read the flags of the steps since the last check (one sync; raises on too many skips)."""
+        self.checks.check()
+        self.nonfinite_skipped = self.checks.skipped
+
+    def _train_record(self, window: _Window) -> dict[str, Any]:
+        """The log record of the steps since the last one (reads the device: the log-interval sync)."""
+        summ = window.sums.summary(self.info)
+        last = window.last
+        grad_norm, loss, flops = torch.stack(
+            [last.grad_norm.double(), last.loss.double(), torch.as_tensor(window.flops, dtype=torch.float64,
+                                                                         device=last.loss.device)]
+        ).tolist()  # fmt: skip
+        elapsed = window.elapsed()  # after the reads: the device has done the window's work
+        world_tokens = window.tokens * self.info.world_size
         rec = {
             "split": "train",
             "step": self.global_step,
             "epoch": self.epoch,
             "position": self.position,
             "loss": summ.get("loss", loss),
-            "lr": self.scheduler.get_last_lr()[0],
+            "lr": self.optimizer.lr,
             "grad_norm": grad_norm,
             "tokens_per_s": world_tokens / max(elapsed, 1e-9),
-            "data_wait_s": wait / max(steps, 1),
-            "step_time_s": elapsed / max(steps, 1),
-            "data_wait_fraction": wait / max(elapsed, 1e-9),
+            "data_wait_s": window.wait / max(window.steps, 1),
+            "step_time_s": elapsed / max(window.steps, 1),
+            "data_wait_fraction": min(1.0, window.wait / max(elapsed, 1e-9)),
             "flops_per_s": flops / max(elapsed, 1e-9),
             "nonfinite_steps_skipped": self.nonfinite_skipped,
         }
@@ -1005,7 +1048,7 @@ class Trainer:
                 break
             b = b.to(self.device, non_blocking=True)
             with self._autocast():
-                _, metrics = self.module(b, step_generator(self.cfg.seed, 0, self.info.rank, n))
+                _, metrics = self.module(b, step_generator(self.cfg.seed, 0, self.info.rank, n, self.device))
             sums.add(metrics)
             n += 1
         batches.close()
@@ -1031,12 +1074,13 @@ class Trainer:
 
             opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
             return (get_model_state_dict(self.wrapped, options=opts),
-                    get_optimizer_state_dict(self.wrapped, self.optimizer, options=opts))  # fmt: skip
+                    get_optimizer_state_dict(self.wrapped, self.optimizer.optimizers, options=opts))  # fmt: skip
         model = {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
         return model, self.optimizer.state_dict()
 
     def save(self) -> Path:
         """Write ``checkpoint-<step>`` (servable export + trainer state) and point ``latest`` at it."""
+        self._check_steps()  # a run over its non-finite limit stops here, before anything is written
         name = f"checkpoint-{self.global_step:08d}"
         final = self.save_path / name
         model_sd, optim_sd = self._full_states()
@@ -1055,7 +1099,7 @@ class Trainer:
             state = {
                 "model": model_sd,
                 "optimizer": optim_sd,
-                "scheduler": self.scheduler.state_dict(),
+                "scheduler": self.optimizer.scheduler_state(),
                 "rng": _rng_state(),
                 "draft_config": self.draft_cfg.to_dict(),
                 "loop": {
@@ -1065,6 +1109,7 @@ class Trainer:
                     "world_size": self.info.world_size,
                     "total_steps": self.total_steps,
                     "distributed": self._mode(),
+                    "optimizer": self.optimizer.kind,
                 },
                 "plans": plans,
             }
@@ -1097,14 +1142,6 @@ class Trainer:
         self.source.close()
         if self.val_source is not None:
             self.val_source.close()
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
 
 
 def train(

@@ -22,6 +22,18 @@ DRAFT_FLAGS = {
     "mask_token_id": "mask_token_id",
     "ttt_steps": "ttt_steps",
     "target_mode": "target_mode",
+    "loss_weighting": "loss_weighting",
+    "dpace_alpha": "dpace_alpha",
+    "loss_gamma": "loss_gamma",
+    "loss_norm": "loss_norm",
+    "anchor_rule": "anchor_rule",
+    "block_attention": "block_attention",
+    "sliding_window": "sliding_window",
+    "ttt_step_loss_decay": "ttt_step_loss_decay",
+    "loss_mask_on": "loss_mask_on",
+    "freeze_lm_head": "freeze_lm_head",
+    "norm_before_fc": "norm_before_fc",
+    "norm_output": "norm_output",
 }
 
 TRAIN_FLAGS = (
@@ -30,7 +42,8 @@ TRAIN_FLAGS = (
     "max_nonfinite_steps",
     "total_seq_len", "grad_accum", "seed", "val_fraction", "val_every", "val_max_sequences", "save_every",
     "keep_checkpoints", "resume", "num_workers", "prefetch", "read_threads", "verify_samples", "log_every", "device",
-    "precision", "distributed", "vocab_scan_samples", "prompts", "chat_template",
+    "precision", "distributed", "vocab_scan_samples", "prompts", "chat_template", "optimizer", "muon_lr",
+    "muon_momentum", "muon_weight_decay", "muon_ns_steps", "muon_adjust_lr", "from_pretrained",
 )  # fmt: skip
 
 
@@ -140,6 +153,10 @@ def build_train_config(params: dict[str, Any]):
     if params.get("betas"):
         data["betas"] = [float(x) for x in params["betas"].split(",")]
     data["draft"] = draft
+    if data.get("from_pretrained") and not data.get("speculator_type"):
+        from spectrain.draft_io import read_draft_algorithm
+
+        data["speculator_type"] = read_draft_algorithm(data["from_pretrained"])
     _resolve_verifier(data, params.get("revision"))
     where = params.get("config") or "command line"
     cfg = TrainConfig.from_dict(data, where=where)
@@ -156,6 +173,11 @@ TRAIN_SECTIONS: dict[str, tuple[str, ...]] = {
     "Optimization": ("epochs", "max_steps", "stop_after_steps", "lr", "min_lr_ratio", "schedule", "warmup_steps",
                      "warmup_ratio", "weight_decay", "betas", "max_grad_norm", "max_nonfinite_steps", "total_seq_len",
                      "grad_accum", "seed"),
+    "Optimizer": ("optimizer", "muon_lr", "muon_momentum", "muon_weight_decay", "muon_ns_steps", "muon_adjust_lr"),
+    "Recipe (loss, anchors, attention, Eagle3 norms)": (
+        "recipe", "loss_weighting", "dpace_alpha", "loss_gamma", "loss_norm", "anchor_rule", "block_attention",
+        "sliding_window", "ttt_step_loss_decay", "loss_mask_on", "freeze_lm_head", "norm_before_fc", "norm_output",
+    ),
     "Draft (algorithm options)": ("block_size", "max_anchors", "num_layers", "draft_vocab_size", "mask_token_id",
                                   "ttt_steps", "target_mode", "target_layer_ids", "target_layer_id", "draft_option"),
     "Validation and checkpoints": ("val_fraction", "val_every", "val_max_sequences", "save_every",
@@ -213,6 +235,26 @@ TRAIN_SECTIONS: dict[str, tuple[str, ...]] = {
     help="Stop with a checkpoint at step N, schedule unchanged (time-boxed jobs).",
 )
 @click.option("--lr", type=float, help="Peak learning rate (default 6e-4).")
+@click.option(
+    "--optimizer",
+    type=click.Choice(["auto", "adamw", "muon"]),
+    help="adamw; muon: torch.optim.Muon on weight matrices + AdamW on the rest; auto: the algorithm's "
+    "measured choice (default auto).",
+)
+@click.option("--muon-lr", type=float, help="Muon's peak learning rate (default: --lr).")
+@click.option("--muon-momentum", type=float, help="Muon's momentum (default 0.95).")
+@click.option("--muon-weight-decay", type=float, help="Muon's weight decay (default 0.1).")
+@click.option("--muon-ns-steps", type=int, help="Muon's Newton-Schulz iterations (default 5).")
+@click.option(
+    "--muon-adjust-lr",
+    type=click.Choice(["match_rms_adamw", "original"]),
+    help="Muon's per-matrix LR scale (default match_rms_adamw).",
+)
+@click.option(
+    "--from-pretrained",
+    type=click.Path(exists=True, file_okay=False),
+    help="Start from an exported draft (spectrain's or speculators'): its architecture and weights.",
+)
 @click.option("--min-lr-ratio", type=float, help="Final LR as a fraction of --lr (default 0).")
 @click.option(
     "--schedule",
@@ -264,7 +306,12 @@ TRAIN_SECTIONS: dict[str, tuple[str, ...]] = {
 @click.option(
     "--distributed", type=click.Choice(["ddp", "fsdp"]), help="Strategy under torchrun (default ddp)."
 )
-@click.option("--compile", is_flag=True, default=False, help="torch.compile the draft layers.")
+@click.option(
+    "--compile",
+    is_flag=True,
+    default=False,
+    help="torch.compile the draft's whole training forward (loss included; off until measured on a GPU).",
+)
 @click.option(
     "--vocab-scan-samples",
     type=int,
@@ -283,7 +330,57 @@ TRAIN_SECTIONS: dict[str, tuple[str, ...]] = {
 @click.option(
     "--target-mode",
     type=click.Choice(["soft", "hard"]),
-    help="Distill the verifier's distribution or its argmax (default soft).",
+    help="KL to the verifier's distribution, or cross-entropy on its argmax (default hard).",
+)
+@click.option(
+    "--loss-weighting",
+    type=click.Choice(["exp-decay", "dpace"]),
+    help="DFlash: per-position loss weight (default dpace).",
+)
+@click.option(
+    "--dpace-alpha", type=float, help="DFlash: D-PACE confidence smoothing in (0, 1] (default 0.5)."
+)
+@click.option("--loss-gamma", type=float, help="DFlash: exp-decay gamma (default 7/5/4 for B = 16/10/8).")
+@click.option(
+    "--loss-norm",
+    type=click.Choice(["weight", "count"]),
+    help="Divide the weighted loss by the weight sum or by the trained positions (default: DFlash count, Eagle3 weight).",
+)
+@click.option(
+    "--anchor-rule",
+    type=click.Choice(["document", "packed"]),
+    help="DFlash: blocks inside the anchor's document, or anywhere in the packed sequence (default document).",
+)
+@click.option(
+    "--block-attention",
+    type=click.Choice(["bidirectional", "causal"]),
+    help="DFlash: attention inside the block (default bidirectional).",
+)
+@click.option(
+    "--sliding-window", type=int, help="Attention reaches at most N earlier positions (default all)."
+)
+@click.option(
+    "--ttt-step-loss-decay", type=float, help="Eagle3: loss weight decay per TTT step (default 0.8)."
+)
+@click.option(
+    "--loss-mask-on",
+    type=click.Choice(["label", "source"]),
+    help="Eagle3: loss-mask slot of the predicted token or of the target's verifier position (default label).",
+)
+@click.option(
+    "--freeze-lm-head/--no-freeze-lm-head",
+    default=None,
+    help="Eagle3: keep lm_head at the verifier's rows (default yes).",
+)
+@click.option(
+    "--norm-before-fc/--no-norm-before-fc",
+    default=None,
+    help="Eagle3: RMSNorm the concatenated aux states before fc (default no).",
+)
+@click.option(
+    "--norm-output/--no-norm-output",
+    default=None,
+    help="Eagle3: feed post-norm states to the next TTT step (default no).",
 )
 @click.option(
     "--target-layer-ids",
@@ -396,7 +493,14 @@ def _user_cause(e: BaseException) -> str | None:
     help="Verifier directory or hub id (default: the one trained with).",
 )
 @click.option("--verifier-name", help="speculators_config.verifier.name_or_path (e.g. Qwen/Qwen3-8B).")
-def export(checkpoint: str, out_dir: str, verifier: str | None, verifier_name: str | None) -> None:
+@click.option(
+    "--include-embeddings",
+    is_flag=True,
+    default=False,
+    help="Also write the verifier's embed_tokens.weight (speculators' Eagle3 from_pretrained needs it).",
+)
+def export(checkpoint: str, out_dir: str, verifier: str | None, verifier_name: str | None,
+           include_embeddings: bool) -> None:  # fmt: skip
     """Re-export CHECKPOINT (a spectrain checkpoint directory) to OUT_DIR for vLLM."""
     _setup_logging()
     from spectrain.export import export_draft
@@ -412,5 +516,6 @@ def export(checkpoint: str, out_dir: str, verifier: str | None, verifier_name: s
     except ValueError as e:
         raise click.ClickException(str(e)) from None
     name = verifier_name or resolved["train"].get("verifier_name") or model.verifier.info.name_or_path
-    out = export_draft(model, out_dir, verifier_name=name, architectures=model.verifier.info.architectures)
+    out = export_draft(model, out_dir, verifier_name=name, architectures=model.verifier.info.architectures,
+                       include_embeddings=include_embeddings)  # fmt: skip
     click.echo(json.dumps({"exported": str(out), "verifier": name}))

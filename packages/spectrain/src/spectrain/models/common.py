@@ -31,15 +31,75 @@ def draft_to_target_ids(d2t: torch.Tensor) -> torch.Tensor:
     return torch.arange(d2t.shape[0], device=d2t.device, dtype=torch.int64) + d2t
 
 
-def distill_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, mode: str) -> torch.Tensor:
-    """Per-row loss ``[N]``: cross-entropy against softmax(target) (``soft``) or its argmax (``hard``)."""
-    logp = F.log_softmax(draft_logits.float(), dim=-1)
+TARGET_MODES = ("soft", "hard")
+
+
+def vocab_loss(
+    hidden: torch.Tensor,
+    head_weight: torch.Tensor,
+    target_hidden: torch.Tensor | None = None,
+    target_head_weight: torch.Tensor | None = None,
+    mode: str = "hard",
+    *,
+    targets=None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every vocabulary-sized computation of a training step: the draft's head, the verifier's
+    head and the per-row loss between them (the eager reference of
+    :func:`spectrain.models.vocab_loss.vocab_loss`, which the drafts call).
+
+    Args:
+        hidden: ``[N, H]`` the draft's final (normed) states; gradients flow to it.
+        head_weight: ``[V, H]`` the draft's output rows (trainable or frozen).
+        target_hidden: ``[N, H]`` the verifier's last-layer states after its final norm.
+        target_head_weight: ``[V, H]`` the verifier's LM-head rows of the same ``V`` tokens.
+        mode: ``soft``: KL(verifier || draft) over the ``V`` rows; ``hard``: cross-entropy
+            against the verifier's argmax over the ``V`` rows.
+        targets: the verifier's side computed beforehand
+            (:class:`~spectrain.models.vocab_loss.VerifierTargets`), in place of the two above.
+
+    Returns:
+        ``(loss [N] float32, draft argmax [N], verifier argmax [N])``; argmaxes index the ``V``
+        rows. Nothing ``[N, V]``-sized is returned, so the body may be chunked or fused.
+    """
+    if mode not in TARGET_MODES:
+        raise ValueError(f"unknown target_mode {mode!r} (soft | hard)")
+    autocast = torch.is_autocast_enabled(hidden.device.type)
+    logits = F.linear(hidden, head_weight if autocast else head_weight.to(hidden.dtype))
+    acc = torch.promote_types(logits.dtype, torch.float32)
+    logp = F.log_softmax(logits.to(acc), dim=-1)
+    if targets is not None:
+        target_ids = targets.ids
+        target = None
+        if mode == "soft":
+            target = targets.logits if targets.index is None else targets.logits[targets.index]
+    else:
+        with torch.no_grad():
+            th = target_hidden if autocast else target_hidden.to(target_head_weight.dtype)
+            target = F.linear(th, target_head_weight)
+        target_ids = target.argmax(-1)
     if mode == "soft":
-        p = F.softmax(target_logits.float(), dim=-1)
-        return -(p * logp).sum(-1)
-    if mode == "hard":
-        return F.nll_loss(logp, target_logits.argmax(-1), reduction="none")
-    raise ValueError(f"unknown target_mode {mode!r} (soft | hard)")
+        p = F.softmax(target.to(acc), dim=-1)
+        loss = F.kl_div(logp, p, reduction="none").sum(-1)
+    else:
+        loss = F.nll_loss(logp, target_ids, reduction="none")
+    return loss, logits.detach().argmax(-1), target_ids
+
+
+def dpace_weights(loss: torch.Tensor, valid: torch.Tensor, alpha: float) -> torch.Tensor:
+    """D-PACE per-position weights for blocks ``[N, K]`` (no gradient).
+
+    With the smoothed confidence ``c_k = (1 - alpha) * exp(-loss_k) + alpha`` (1 where not
+    valid), position ``k`` weighs the expected number of accepted tokens it gates:
+    ``w_k = sum_{j >= k} valid_j * prod_{i <= j} c_i`` (0 where not valid).
+    """
+    if not 0.0 < alpha <= 1.0:
+        raise ValueError(f"dpace_alpha must be in (0, 1], got {alpha}")
+    with torch.no_grad():
+        v = valid.to(torch.float32)
+        c = (1.0 - alpha) * torch.exp(-(loss.detach().float() * v)) + alpha
+        c = torch.where(v > 0, c, torch.ones_like(c))
+        prefix = torch.cumprod(c, dim=-1)
+        return torch.flip(torch.cumsum(torch.flip(prefix * v, dims=[-1]), dim=-1), dims=[-1]) * v
 
 
 def chain_metrics(correct: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -56,10 +116,10 @@ def chain_metrics(correct: torch.Tensor, valid: torch.Tensor) -> dict[str, torch
     acc_total = valid.bool().sum(0).to(torch.float64)
     run = torch.cumprod(correct.to(torch.int64), dim=1).sum(1)
     chains = valid[:, 0].bool()
-    return {
+    return {  # masked sums, not boolean indexing: fixed shapes, no host-device sync
         "acc_correct": acc_correct,
         "acc_total": acc_total,
-        "accepted_sum": run[chains].sum().to(torch.float64),
+        "accepted_sum": (run * chains).sum().to(torch.float64),
         "chains": chains.sum().to(torch.float64),
     }
 

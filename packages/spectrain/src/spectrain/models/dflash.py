@@ -7,16 +7,17 @@ bidirectional, and the block sees the verifier context strictly before the ancho
 document). Position ``k`` of the block predicts the token ``k`` places after the anchor.
 
 Training draws up to ``max_anchors`` random anchors per packed sequence where the loss mask
-is 1 and the whole block fits in the anchor's document, and weights position ``k`` by
-``exp(-(k - 1) / gamma)``. Embeddings and LM head are the verifier's, frozen. Module names
-equal vLLM's ``DFlashDraftModel`` weight names.
+is 1 (``anchor_rule``: the whole block inside the anchor's document, or anywhere but the last
+``block_size`` slots of the packed sequence, as speculators does), and weights position ``k``
+by ``exp(-(k - 1) / gamma)`` or by D-PACE (``loss_weighting``). Embeddings and LM head are the
+verifier's, frozen. Module names equal vLLM's ``DFlashDraftModel`` weight names.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -26,12 +27,13 @@ from spectrain.models.common import (
     build_vocab_map,
     chain_metrics,
     default_dflash_gamma,
-    distill_loss,
+    dpace_weights,
     draft_to_target_ids,
     loss_decay_weights,
 )
 from spectrain.models.layers import MLP, MaskSpec, PreparedMask, RMSNorm, apply_rope, rope_cos_sin
 from spectrain.models.registry import DraftConfig, DraftContext, DraftModel, register
+from spectrain.models.vocab_loss import vocab_loss
 from spectrain.verifier import VerifierHeads
 
 
@@ -48,7 +50,30 @@ class DFlashConfig(DraftConfig):
     mask_token_id: int | None = None
     """Token id whose (frozen) embedding fills the masked block slots; None = verifier vocab_size - 1."""
     loss_gamma: float | None = None
-    """Decay of the per-position loss weight; None = 7 / 5 / 4 for block size 16 / 10 / 8."""
+    """Decay of the ``exp-decay`` weight; None = 7 / 5 / 4 for block size 16 / 10 / 8."""
+    target_mode: str = "hard"
+    loss_norm: str = "count"
+    loss_weighting: str = "dpace"
+    """Per-position loss weight: ``dpace`` (the expected accepted length each position gates,
+    from the draft's own confidence) or ``exp-decay`` (``exp(-(k - 1) / gamma)``)."""
+    dpace_alpha: float = 0.5
+    """Smoothing of D-PACE's confidence, in (0, 1]."""
+    anchor_rule: str = "document"
+    """``document``: the block lies inside the anchor's document, after its first token;
+    ``packed``: any slot but the last ``block_size`` of the packed sequence (speculators)."""
+    block_attention: str = "bidirectional"
+    """Inside the block: ``bidirectional`` or ``causal`` (exported as
+    ``sliding_window_non_causal``, which vLLM honours)."""
+
+    default_optimizer: ClassVar[str] = "muon"
+
+    def check(self) -> None:
+        super().check()
+        self.choose("loss_weighting", ("exp-decay", "dpace"))
+        self.choose("anchor_rule", ("document", "packed"))
+        self.choose("block_attention", ("bidirectional", "causal"))
+        if not 0.0 < self.dpace_alpha <= 1.0:
+            raise ValueError(f"dpace_alpha: must be in (0, 1], got {self.dpace_alpha}")
 
     @staticmethod
     def model_class() -> type[DraftModel]:
@@ -97,12 +122,19 @@ class DFlashLayer(nn.Module):
 
 
 def dflash_mask(
-    doc_ids: torch.Tensor, anchors: torch.Tensor, anchor_docs: torch.Tensor, block_size: int
+    doc_ids: torch.Tensor,
+    anchors: torch.Tensor,
+    anchor_docs: torch.Tensor,
+    block_size: int,
+    *,
+    causal: bool = False,
+    window: int | None = None,
 ) -> MaskSpec:
     """Queries: ``N`` blocks of ``block_size``; keys: ``S`` context slots then the ``N`` blocks.
 
     A query of block ``n`` sees context slot ``j`` iff ``j`` is in the anchor's document and
-    ``j < anchors[n]``, and every slot of its own block (bidirectional); nothing else.
+    ``j < anchors[n]`` (and ``j >= anchors[n] - window`` with a window), and the slots of its
+    own block: all of them, or with ``causal`` those up to itself. Nothing else.
     """
     S, N, B = int(doc_ids.shape[0]), int(anchors.shape[0]), block_size
 
@@ -112,7 +144,11 @@ def dflash_mask(
         d = anchor_docs[n]
         j = kv_idx.clamp(max=S - 1)
         ctx_ok = (kv_idx < S) & (doc_ids[j] == d) & (kv_idx < a)
+        if window is not None:
+            ctx_ok = ctx_ok & (kv_idx >= a - window)
         blk_ok = (kv_idx >= S) & ((kv_idx - S) // B == n)
+        if causal:
+            blk_ok = blk_ok & (kv_idx - S <= q_idx)
         return ctx_ok | blk_ok
 
     return MaskSpec(N * B, S + N * B, mask_mod, doc_ids.device)
@@ -153,7 +189,6 @@ class DFlashDraft(DraftModel):
             self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
             self.register_buffer("t2d", torch.zeros(verifier.vocab_size, dtype=torch.bool))
         self.reset_parameters()
-        self.last_flops = 0.0
 
     # ------------------------------------------------------------------ vocabulary
 
@@ -170,11 +205,10 @@ class DFlashDraft(DraftModel):
     def _draft_ids(self) -> torch.Tensor | None:
         return draft_to_target_ids(self.d2t) if self.reduced else None
 
-    def _head(self, h: torch.Tensor, draft_ids: torch.Tensor | None) -> torch.Tensor:
-        w = self.verifier.lm_head if draft_ids is None else self.verifier.lm_head.index_select(0, draft_ids)
-        return torch.nn.functional.linear(
-            h, w.to(h.dtype) if not torch.is_autocast_enabled(h.device.type) else w
-        )
+    def _head_rows(self) -> torch.Tensor:
+        """The frozen output rows (the verifier's LM head over the draft vocabulary)."""
+        ids = self._draft_ids()
+        return self.verifier.lm_head if ids is None else self.verifier.lm_head.index_select(0, ids)
 
     # ------------------------------------------------------------------ core
 
@@ -190,7 +224,14 @@ class DFlashDraft(DraftModel):
             raise ValueError(f"aux hidden states have width {aux.shape[1]}, fc expects {self.fc.in_features}")
         return self.hidden_norm(self.fc(self._dtype_in(aux)))
 
-    def _run_blocks(self, ctx, ctx_pos, anchor_tokens, anchor_pos, spec: MaskSpec, device) -> torch.Tensor:
+    def _mask(self, doc_ids, anchors, anchor_docs) -> MaskSpec:
+        cfg: DFlashConfig = self.cfg
+        return dflash_mask(doc_ids, anchors, anchor_docs, cfg.block_size,
+                           causal=cfg.block_attention == "causal", window=cfg.sliding_window)  # fmt: skip
+
+    def _run_blocks(
+        self, ctx, ctx_pos, anchor_tokens, anchor_pos, mask: PreparedMask, device
+    ) -> torch.Tensor:
         """Draft layers over ``N`` blocks; returns final-normed states ``[N, B, H]``."""
         N, B = int(anchor_tokens.shape[0]), self.cfg.block_size
         ids = torch.full((N, B), self.mask_token_id, dtype=torch.int64, device=device)
@@ -199,88 +240,144 @@ class DFlashDraft(DraftModel):
         pos_q = (anchor_pos[:, None] + torch.arange(B, device=device)[None, :]).reshape(-1)
         rope_q = rope_cos_sin(pos_q, self.head_dim, self.theta)
         rope_k = rope_cos_sin(torch.cat([ctx_pos, pos_q]), self.head_dim, self.theta)
-        mask = PreparedMask(spec, self.backend(device))
         for layer in self.layers:
             x = layer(x, ctx, rope_q, rope_k, mask)
         return self.norm(x).view(N, B, -1)
 
-    def sample_anchors(self, batch: Batch, generator: torch.Generator | None = None) -> torch.Tensor:
-        """Sorted anchor slots: loss mask 1, block inside the document, at least one context token."""
+    def anchor_candidates(self, batch: Batch) -> torch.Tensor:
+        """``[S]`` bool: the slots ``anchor_rule`` allows as anchors (loss mask 1 and room for a block)."""
         B = self.cfg.block_size
         slots = torch.arange(batch.seq_len, device=batch.input_ids.device)
-        ok = (
+        if self.cfg.anchor_rule == "packed":
+            return batch.loss_mask.bool() & (slots + B < batch.seq_len)
+        return (
             batch.loss_mask & (batch.doc_ids >= 0) & (slots + B <= batch.doc_ends) & (batch.position_ids >= 1)
         )
-        cand = ok.nonzero().flatten()
-        if cand.numel() > self.cfg.max_anchors:
-            scores = torch.rand(cand.numel(), generator=generator)
-            pick = scores.topk(self.cfg.max_anchors).indices.to(cand.device)
-            cand = cand[pick].sort().values
-        return cand
 
-    def forward(
+    def draw_anchors(
         self, batch: Batch, generator: torch.Generator | None = None
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Loss on one packed sequence, and metric sums over the drawn anchors."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(anchors [N], valid [N])``, ``N = min(max_anchors, S)``: up to ``max_anchors`` slots drawn
+        uniformly from :meth:`anchor_candidates`, ascending, then padding (slot 0, not valid).
+
+        Fixed shapes on the batch's device, no host-device sync. The ``i``-th candidate (in slot
+        order) scores ``rand(S)[i]`` and the top ``max_anchors`` scores win, so where there are
+        more candidates than anchors a CPU generator draws what it drew before shapes were fixed.
+        """
+        cand = self.anchor_candidates(batch)
+        S, device = batch.seq_len, cand.device
+        n = min(self.cfg.max_anchors, S)
+        noise = torch.rand(
+            S, generator=generator, device=generator.device if generator is not None else device
+        )
+        noise = noise.to(device, non_blocking=True)
+        rank = (torch.cumsum(cand, 0) - 1).clamp(min=0)
+        score = torch.where(cand, noise[rank], -1.0)
+        top = score.topk(n).indices
+        slots = torch.where(cand[top], top, S).sort().values
+        valid = slots < S
+        return torch.where(valid, slots, 0), valid
+
+    def sample_anchors(self, batch: Batch, generator: torch.Generator | None = None) -> torch.Tensor:
+        """The valid anchors of :meth:`draw_anchors`, sorted (reads their count: a sync on CUDA)."""
+        anchors, valid = self.draw_anchors(batch, generator)
+        return anchors[valid]
+
+    def draw(self, batch: Batch, generator: torch.Generator | None = None):
+        """``(anchors, valid, mask)``: :meth:`draw_anchors` and the blocks' attention mask."""
+        anchors, valid = self.draw_anchors(batch, generator)
+        return anchors, valid, self._prepared_mask(batch, anchors, valid)
+
+    def _prepared_mask(self, batch: Batch, anchors: torch.Tensor, anchor_valid: torch.Tensor) -> PreparedMask:
+        anchor_docs = torch.where(anchor_valid, batch.doc_ids[anchors], torch.full_like(anchors, -2))
+        spec = self._mask(batch.doc_ids, anchors, anchor_docs)
+        return PreparedMask(spec, self.backend(batch.input_ids.device))
+
+    def block_states(
+        self,
+        batch: Batch,
+        anchors: torch.Tensor,
+        anchor_valid: torch.Tensor,
+        mask: PreparedMask | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The draft's states for the ``N`` blocks at ``anchors`` and what they are trained on.
+
+        Returns:
+            ``h [N, B-1, H]`` (position ``k`` predicts the token ``k`` after the anchor),
+            ``label_slots [N, B-1]`` (slot of that token: the verifier's state one slot before
+            it gives the target) and ``valid [N, B-1]`` (the label's loss mask, in a real block).
+        """
         device = batch.input_ids.device
         B = self.cfg.block_size
-        anchors = self.sample_anchors(batch, generator)
-        n_real = int(anchors.shape[0])
-        if n_real == 0:
-            zero = sum(p.sum() for p in self.parameters() if p.requires_grad) * 0.0
-            K = B - 1
-            z = torch.zeros(K, dtype=torch.float64, device=device)
-            s = torch.zeros((), dtype=torch.float64, device=device)
-            self.last_flops = 0.0
-            return zero, {"acc_correct": z, "acc_total": z.clone(), "accepted_sum": s, "chains": s.clone()}
-        anchor_docs = batch.doc_ids[anchors]
-        anchor_valid = torch.ones(n_real, dtype=torch.bool, device=device)
-        if self.backend(device) == "flex" and n_real < self.cfg.max_anchors:
-            pad = self.cfg.max_anchors - n_real
-            anchors = torch.cat([anchors, anchors.new_zeros(pad)])
-            anchor_docs = torch.cat([anchor_docs, anchor_docs.new_full((pad,), -2)])
-            anchor_valid = torch.cat([anchor_valid, anchor_valid.new_zeros(pad)])
+        if mask is None:
+            mask = self._prepared_mask(batch, anchors, anchor_valid)
         ctx = self.context_features(batch.aux_hidden)
-        spec = dflash_mask(batch.doc_ids, anchors, anchor_docs, B)
         out = self._run_blocks(ctx, batch.position_ids, batch.input_ids[anchors], batch.position_ids[anchors],
-                               spec, device)  # fmt: skip
-        h = out[:, 1:]  # [N, B-1, H]: position k predicts the token k after the anchor
-        N = h.shape[0]
+                               mask, device)  # fmt: skip
         k = torch.arange(1, B, device=device)
         label_slots = (anchors[:, None] + k[None, :]).clamp(max=batch.seq_len - 1)
-        valid = batch.loss_mask[label_slots] & anchor_valid[:, None]
+        valid = batch.loss_mask[label_slots].bool() & anchor_valid[:, None]
+        return out[:, 1:], label_slots, valid
+
+    def position_weights(self, loss: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """``[N, B-1]`` loss weights (0 where not valid) of the configured ``loss_weighting``."""
+        cfg: DFlashConfig = self.cfg
+        if cfg.loss_weighting == "dpace":
+            return dpace_weights(loss, valid, cfg.dpace_alpha)
+        decay = loss_decay_weights(cfg.block_size - 1, self.gamma, loss.device)
+        return decay[None, :].to(loss.dtype) * valid.to(loss.dtype)
+
+    def training_loss(
+        self, batch: Batch, draws
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, Any]]:
+        """Loss on one packed sequence, and metric sums over the drawn anchors (padding anchors
+        weigh nothing: a sequence without any gives loss 0, zero gradients and zero sums)."""
+        anchors, anchor_valid, mask = draws
+        K = self.cfg.block_size - 1
+        h, label_slots, valid = self.block_states(batch, anchors, anchor_valid, mask)
+        N = h.shape[0]
+        target_hidden = self.verifier.norm(batch.last_hidden[label_slots - 1].reshape(N * K, -1))
+        head = self._head_rows()
+        rows, pred, tgt = vocab_loss(h.reshape(N * K, -1), head, target_hidden, head, self.cfg.target_mode)
+        rows = rows.view(N, K)
+        w = self.position_weights(rows, valid)
+        weight_sum = valid.sum().to(rows.dtype) if self.cfg.loss_norm == "count" else w.sum()
+        denom = weight_sum + 1e-5 if self.cfg.loss_norm == "count" else weight_sum.clamp_min(1e-6)
+        loss = (rows * w).sum() / denom
+        correct = (pred == tgt).view(N, K)
         draft_ids = self._draft_ids()
-        logits = self._head(h.reshape(N * (B - 1), -1), draft_ids)
-        with torch.no_grad():
-            tgt_full = self.verifier.logits(batch.last_hidden[label_slots - 1].reshape(N * (B - 1), -1))
-            greedy = tgt_full.argmax(-1)
-            tgt = tgt_full if draft_ids is None else tgt_full.index_select(1, draft_ids)
-        rows = distill_loss(logits, tgt, self.cfg.target_mode).view(N, B - 1)
-        w = loss_decay_weights(B - 1, self.gamma, device)[None, :] * valid.float()
-        loss = (rows * w).sum() / w.sum().clamp_min(1e-6)
-        pred = logits.detach().argmax(-1)
         if draft_ids is not None:
             pred = draft_ids[pred]
-        correct = (pred == greedy).view(N, B - 1)
-        self.last_anchors = anchors[anchor_valid].detach()
-        self.last_predictions = pred.view(N, B - 1)[anchor_valid]
-        metrics = chain_metrics(correct[anchor_valid], valid[anchor_valid])
+        metrics = chain_metrics(correct, valid)
         metrics["loss_sum"] = (rows.detach() * w).sum().double()
-        metrics["weight_sum"] = w.sum().double()
-        self.last_flops = self._flops(batch, anchors[anchor_valid], N)
-        return loss, metrics
+        metrics["weight_sum"] = weight_sum.detach().double()  # 0 without anchors, as on a rank with none
+        outputs = {"anchors": anchors, "anchor_valid": anchor_valid, "predictions": pred.view(N, K),
+                   "flops": self._flops(batch, anchors, anchor_valid)}  # fmt: skip
+        return loss, metrics, outputs
 
-    def _flops(self, batch: Batch, anchors: torch.Tensor, n_blocks: int) -> float:
+    @property
+    def last_anchors(self) -> torch.Tensor:
+        """The valid anchors of the last forward (reads their count: a sync on CUDA)."""
+        return self.last_outputs["anchors"][self.last_outputs["anchor_valid"]]
+
+    @property
+    def last_predictions(self) -> torch.Tensor:
+        """``[anchors, B-1]`` greedy proposals (verifier ids) of the last forward's valid blocks."""
+        return self.last_outputs["predictions"][self.last_outputs["anchor_valid"]]
+
+    def _flops(self, batch: Batch, anchors: torch.Tensor, anchor_valid: torch.Tensor) -> torch.Tensor:
+        """Matmul FLOPs of the valid blocks, forward + backward (a float64 device tensor)."""
         B, H, S = self.cfg.block_size, self.hidden, batch.seq_len
-        Q = n_blocks * B
+        n = anchor_valid.sum().double()
+        Q = n * B
         qd, kvd = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        ctx_keys = float(batch.position_ids[anchors].sum().item()) + len(anchors) * B
+        ctx_keys = (batch.position_ids[anchors] * anchor_valid).sum().double() + n * B
         pairs = ctx_keys * B
         layer = 2 * Q * H * qd * 2 + 2 * (S + Q) * H * kvd * 2 + 2 * Q * H * self.intermediate * 3
-        layer += 4 * pairs * qd
+        layer = layer + 4 * pairs * qd
         vocab = self.cfg.draft_vocab_size if self.reduced else self.verifier.vocab_size
-        rows = n_blocks * (B - 1)
-        head = 2 * rows * H * vocab * 2 + 2 * rows * H * self.verifier.vocab_size
+        rows = n * (B - 1)
+        head = 2 * rows * H * vocab * 3  # draft head forward + input gradient, verifier head forward
         fc = 2 * S * self.fc.in_features * H
         return 3.0 * (len(self.layers) * layer + fc) + head
 
@@ -315,10 +412,12 @@ class DFlashDraft(DraftModel):
         ctx = self.context_features(aux)
         doc = torch.zeros(T, dtype=torch.int64, device=device)
         anchor = torch.tensor([T], device=device)
-        spec = dflash_mask(doc, anchor, torch.zeros(1, dtype=torch.int64, device=device), B)
-        out = self._run_blocks(ctx, torch.arange(T, device=device), tokens[-1:], anchor, spec, device)
+        spec = self._mask(doc, anchor, torch.zeros(1, dtype=torch.int64, device=device))
+        mask = PreparedMask(spec, self.backend(device))
+        out = self._run_blocks(ctx, torch.arange(T, device=device), tokens[-1:], anchor, mask, device)
         draft_ids = self._draft_ids()
-        pred = self._head(out[0, 1 : n + 1], draft_ids).argmax(-1)
+        h = out[0, 1 : n + 1]
+        pred = torch.nn.functional.linear(h, self._head_rows().to(h.dtype)).argmax(-1)
         if draft_ids is not None:
             pred = draft_ids[pred]
         return [int(t) for t in pred.tolist()]
@@ -338,6 +437,9 @@ class DFlashDraft(DraftModel):
         layer_cfg = qwen3_layer_config(
             info, self.hidden, len(self.layers), self.heads, self.kv_heads, self.head_dim, self.intermediate
         )
+        if cfg.sliding_window is not None:
+            layer_cfg.update(layer_types=["sliding_attention"] * len(self.layers), use_sliding_window=True,
+                             sliding_window=cfg.sliding_window)  # fmt: skip
         return {
             "architectures": ["DFlashDraftModel"],
             "speculators_model_type": "dflash",
@@ -351,6 +453,7 @@ class DFlashDraft(DraftModel):
             "mask_token_id": self.mask_token_id,
             "block_size": cfg.block_size,
             "sample_from_anchor": False,
+            "sliding_window_non_causal": cfg.block_attention == "bidirectional",
             "torch_dtype": "bfloat16",
         }
 

@@ -1,11 +1,12 @@
 """Eagle3: a one-layer autoregressive draft fed by three verifier layers.
 
-Position ``t`` of the draft takes ``fc(concat(aux states at t))`` and the embedding of token
-``t + 1`` (normed separately and concatenated to ``2 * hidden``) and predicts token ``t + 2``
-over a reduced draft vocabulary (``d2t``/``t2d``, the most frequent tokens of the training
-data). Training-time test runs ``ttt_steps`` steps: step ``j`` feeds the draft's own
-pre-norm output of step ``j - 1`` back in with the embedding of token ``t + j + 1``, attends
-to the verifier-fed keys up to ``t`` plus its own chain (the diagonal of earlier steps), and is
+Position ``t`` of the draft takes ``fc(concat(aux states at t))`` (optionally RMS-normed first:
+``norm_before_fc``) and the embedding of token ``t + 1`` (normed separately and concatenated to
+``2 * hidden``) and predicts token ``t + 2`` over a reduced draft vocabulary (``d2t``/``t2d``,
+the most frequent tokens of the training data). Training-time test runs ``ttt_steps`` steps:
+step ``j`` feeds the draft's own output of step ``j - 1`` (pre-norm, or post-norm with
+``norm_output``) back in with the embedding of token ``t + j + 1``, attends to the
+verifier-fed keys up to ``t`` plus its own chain (the diagonal of earlier steps), and is
 weighted ``ttt_step_loss_decay ** j``. Targets are the verifier's distribution
 ``lm_head(norm(h_last))`` restricted to the draft vocabulary. Module names equal vLLM's
 ``Eagle3LlamaForCausalLM`` weight names.
@@ -16,17 +17,18 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from spectrain.data import Batch
-from spectrain.models.common import build_vocab_map, chain_metrics, distill_loss, draft_to_target_ids
+from spectrain.models.common import build_vocab_map, chain_metrics, draft_to_target_ids
 from spectrain.models.dflash import qwen3_layer_config, speculators_config
 from spectrain.models.layers import MLP, MaskSpec, PreparedMask, RMSNorm, apply_rope, rope_cos_sin
 from spectrain.models.registry import DraftConfig, DraftContext, DraftModel, register
+from spectrain.models.vocab_loss import verifier_targets, vocab_loss
 from spectrain.verifier import VerifierHeads
 
 log = logging.getLogger(__name__)
@@ -42,12 +44,29 @@ class Eagle3Config(DraftConfig):
     """Draft vocabulary size (clamped to the verifier's vocabulary)."""
     ttt_steps: int = 3
     """Training-time-test steps (the first is the ordinary next-token step)."""
+    target_mode: str = "hard"
     ttt_step_loss_decay: float = 0.8
     """Loss weight of step ``j`` is ``ttt_step_loss_decay ** j``."""
     norm_before_residual: bool = True
     """Residual taken after ``hidden_norm`` (vLLM's default)."""
-    logits_chunk: int = 2048
-    """Rows per chunk when computing the verifier's full-vocabulary targets."""
+    norm_before_fc: bool = False
+    """RMSNorm (``input_norm``) over the concatenated auxiliary states before ``fc`` (Eagle 3.1)."""
+    norm_output: bool = False
+    """Feed the post-norm output of a step to the next one (Eagle 3.1), not the pre-norm one."""
+    freeze_lm_head: bool = True
+    """Keep ``lm_head`` at the verifier's rows (no gradient, no optimizer state)."""
+    loss_mask_on: str = "label"
+    """Which loss-mask slot trains step ``j`` at ``t``: the predicted token's (``label``,
+    ``t + j + 2``) or the verifier position giving the target (``source``, ``t + j + 1``,
+    speculators)."""
+
+    RETIRED: ClassVar[tuple[str, ...]] = ("logits_chunk",)
+
+    def check(self) -> None:
+        super().check()
+        self.choose("loss_mask_on", ("label", "source"))
+        if self.ttt_steps < 1:
+            raise ValueError(f"ttt_steps: must be >= 1, got {self.ttt_steps}")
 
     @staticmethod
     def model_class() -> type[DraftModel]:
@@ -99,20 +118,22 @@ class Eagle3Layer(nn.Module):
         return residual + self.mlp(self.post_attention_layernorm(residual))
 
 
-def ttt_mask(doc_ids: torch.Tensor, step: int) -> MaskSpec:
+def ttt_mask(doc_ids: torch.Tensor, step: int, window: int | None = None) -> MaskSpec:
     """Step ``step`` queries ``[S]`` over keys of steps ``0..step`` (``(step + 1) * S``).
 
-    Query ``t`` sees step-0 keys ``s <= t`` of its document, and the key at ``t`` itself of
-    every later step (its own draft chain).
+    Query ``t`` sees step-0 keys ``s <= t`` of its document (and ``s > t - window`` with a
+    window), and the key at ``t`` itself of every step (its own draft chain). A padding query
+    sees only its own keys.
     """
     S = int(doc_ids.shape[0])
 
     def mask_mod(b, h, q_idx, kv_idx):
         st = kv_idx // S
         s = kv_idx % S
-        first = (st == 0) & (doc_ids[s] == doc_ids[q_idx]) & (s <= q_idx)
-        chain = (st > 0) & (s == q_idx)
-        return first | chain
+        first = (st == 0) & (doc_ids[s] == doc_ids[q_idx]) & (doc_ids[q_idx] >= 0) & (s <= q_idx)
+        if window is not None:
+            first = first & (s > q_idx - window)
+        return first | (s == q_idx)
 
     return MaskSpec(S, (step + 1) * S, mask_mod, doc_ids.device)
 
@@ -131,8 +152,6 @@ class Eagle3Draft(DraftModel):
             raise ValueError(f"Eagle3 uses exactly 3 auxiliary layers, got {list(cfg.aux_layer_ids)}")
         if cfg.num_layers != 1:
             raise ValueError(f"Eagle3 has one decoder layer (vLLM), got num_layers={cfg.num_layers}")
-        if cfg.ttt_steps < 1:
-            raise ValueError(f"ttt_steps must be >= 1, got {cfg.ttt_steps}")
         H = self.resolve_decoder_shape()
         vocab = verifier.vocab_size
         dv = cfg.draft_vocab_size or vocab
@@ -146,12 +165,17 @@ class Eagle3Draft(DraftModel):
                          cfg.norm_before_residual)]
         )  # fmt: skip
         self.norm = RMSNorm(H, self.eps)
+        self.input_norm = RMSNorm(3 * H, self.eps) if cfg.norm_before_fc else None
         self.lm_head = nn.Linear(H, dv, bias=False)
+        if cfg.freeze_lm_head:  # the verifier's rows in its dtype: no fp32 master copy, no gradient
+            self.lm_head.weight = nn.Parameter(
+                torch.empty(dv, H, dtype=verifier.lm_head.dtype, device=self.lm_head.weight.device),
+                requires_grad=False,
+            )
         self.register_buffer("d2t", torch.zeros(dv, dtype=torch.int64))
         self.register_buffer("t2d", torch.zeros(vocab, dtype=torch.bool))
         self.reset_parameters()
         self.prepare(torch.zeros(vocab))
-        self.last_flops = 0.0
 
     def prepare(self, token_counts: torch.Tensor | None) -> None:
         """Build d2t/t2d from token counts and start ``lm_head`` from the verifier's rows."""
@@ -175,79 +199,104 @@ class Eagle3Draft(DraftModel):
             return x
         return x.to(self.fc.weight.dtype)
 
-    def _targets(self, last: torch.Tensor, draft_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Verifier logits over the draft vocabulary ``[S, Vd]`` and greedy target ids ``[S]``."""
-        chunk = max(1, self.cfg.logits_chunk)
-        restricted, greedy = [], []
-        for i in range(0, last.shape[0], chunk):
-            full = self.verifier.logits(last[i : i + chunk])
-            greedy.append(full.argmax(-1))
-            restricted.append(full.index_select(1, draft_ids))
-        return torch.cat(restricted), torch.cat(greedy)
+    def context_features(self, aux: torch.Tensor) -> torch.Tensor:
+        """``fc(aux)`` (``fc(input_norm(aux))`` with ``norm_before_fc``) for ``aux [T, 3 * H]``."""
+        x = self._dtype_in(aux)
+        if self.input_norm is not None:
+            x = self.input_norm(x)
+        return self.fc(x)
 
-    def forward(
-        self, batch: Batch, generator: torch.Generator | None = None
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """TTT loss on one packed sequence, and metric sums (chains start at every valid slot)."""
+    def step_slots(self, batch: Batch, j: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(source [S], inside [S], valid [S])`` of TTT step ``j``: at slot ``t`` the step reads
+        token ``source = t + j + 1`` (clamped; ``inside`` its document) and is trained, where
+        ``valid``, on the verifier's distribution at that slot."""
+        S = batch.seq_len
+        slots = torch.arange(S, device=batch.input_ids.device)
+        src = slots + j + 1
+        inside = (batch.doc_ids >= 0) & (src < batch.doc_ends)
+        src_c = src.clamp(max=S - 1)
+        if self.cfg.loss_mask_on == "source":
+            return src_c, inside, inside & batch.loss_mask[src_c].bool()
+        lab = slots + j + 2
+        valid = inside & (lab < batch.doc_ends) & batch.loss_mask[lab.clamp(max=S - 1)].bool()
+        return src_c, inside, valid
+
+    def draw(self, batch: Batch, generator: torch.Generator | None = None) -> list[PreparedMask]:
+        """The attention mask of each TTT step (no random draws)."""
+        backend = self.backend(batch.input_ids.device)
+        return [PreparedMask(ttt_mask(batch.doc_ids, j, self.cfg.sliding_window), backend)
+                for j in range(self.cfg.ttt_steps)]  # fmt: skip
+
+    def training_loss(
+        self, batch: Batch, draws
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, Any]]:
+        """TTT loss on one packed sequence, and metric sums (chains start at every valid slot).
+
+        The verifier's targets over the draft vocabulary are formed once for all ``S`` slots; step
+        ``j`` reads them shifted by ``j`` (a TTT step at ``t`` is trained on slot ``t + j + 1``).
+        """
         cfg: Eagle3Config = self.cfg
+        masks = draws if draws is not None else self.draw(batch)
         device = batch.input_ids.device
         S, K = batch.seq_len, cfg.ttt_steps
-        slots = torch.arange(S, device=device)
         draft_ids = draft_to_target_ids(self.d2t)
         with torch.no_grad():
-            tgt, greedy = self._targets(batch.last_hidden, draft_ids)
-        hidden = self.fc(self._dtype_in(batch.aux_hidden.reshape(S, -1)))
+            target_hidden = self.verifier.norm(batch.last_hidden)
+        targets = verifier_targets(
+            target_hidden, self.verifier.lm_head.index_select(0, draft_ids), cfg.target_mode
+        )
+        hidden = self.context_features(batch.aux_hidden.reshape(S, -1))
         keys, values = [], []
-        total = hidden.new_zeros((), dtype=torch.float32)
+        total = hidden.new_zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32))
         wsum = 0.0
         corrects, valids, preds = [], [], []
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         for j in range(K):
-            src = slots + j + 1
-            inside = (batch.doc_ids >= 0) & (src < batch.doc_ends)
-            src_c = src.clamp(max=S - 1)
+            src_c, inside, valid = self.step_slots(batch, j)
             tok = torch.where(inside, batch.input_ids[src_c], torch.zeros_like(src_c))
-            lab = (slots + j + 2).clamp(max=S - 1)
-            valid = inside & (slots + j + 2 < batch.doc_ends) & batch.loss_mask[lab]
             x, residual = self.layer.pre_attention(self._dtype_in(self.verifier.embed(tok)), hidden)
             rope = rope_cos_sin(batch.position_ids + j, self.head_dim, self.theta)
             q, k, v = self.layer.self_attn.qkv(x, rope)
             keys.append(k)
             values.append(v)
-            mask = PreparedMask(ttt_mask(batch.doc_ids, j), self.backend(device))
-            attn = mask(q, torch.cat(keys, dim=1), torch.cat(values, dim=1))
+            attn = masks[j](q, torch.cat(keys, dim=1), torch.cat(values, dim=1))
             prenorm = self.layer.post_attention(attn, residual)
-            logits = self.lm_head(self.norm(prenorm))
-            rows = distill_loss(logits, tgt[src_c], cfg.target_mode)
-            w = valid.float()
+            normed = self.norm(prenorm)
+            rows, pred, tgt = vocab_loss(normed, self.lm_head.weight, mode=cfg.target_mode,
+                                         targets=targets.take(src_c))  # fmt: skip
+            w = valid.to(rows.dtype)
+            denom = w.sum() + 1e-5 if cfg.loss_norm == "count" else w.sum().clamp_min(1.0)
             step_w = cfg.ttt_step_loss_decay**j
-            denom = w.sum().clamp_min(1.0)
             total = total + step_w * (rows * w).sum() / denom
             wsum += step_w
             loss_sum = loss_sum + (rows.detach() * w).sum().double()
-            pred = draft_ids[logits.detach().argmax(-1)]
-            preds.append(pred)
-            corrects.append(pred == greedy[src_c])
+            preds.append(draft_ids[pred])
+            corrects.append(pred == tgt)
             valids.append(valid)
-            hidden = prenorm
-        loss = total / wsum
-        self.last_predictions = torch.stack(preds, 1)  # [S, K] target ids
+            hidden = normed if cfg.norm_output else prenorm
+        loss = total / wsum if cfg.loss_norm == "weight" else total
         metrics = chain_metrics(torch.stack(corrects, 1), torch.stack(valids, 1))
         metrics["loss_sum"] = loss_sum
         metrics["weight_sum"] = torch.stack(valids).sum().double()
-        self.last_flops = self._flops(batch)
-        return loss, metrics
+        return loss, metrics, {"predictions": torch.stack(preds, 1), "flops": self._flops(batch)}
 
-    def _flops(self, batch: Batch) -> float:
+    @property
+    def last_predictions(self) -> torch.Tensor:
+        """``[S, K]`` the last forward's greedy proposals (verifier ids) of every TTT step."""
+        return self.last_outputs["predictions"]
+
+    def _flops(self, batch: Batch) -> torch.Tensor:
+        """Matmul FLOPs of forward + backward (a float64 device tensor)."""
         H, S, K = self.hidden, batch.seq_len, self.cfg.ttt_steps
         qd, kvd = self.heads * self.head_dim, self.kv_heads * self.head_dim
         real = batch.doc_ids >= 0
-        pairs0 = float((batch.position_ids[real] + 1).sum().item())
+        pairs0 = ((batch.position_ids + 1) * real).sum().double()
         per_step = 2 * S * 2 * H * (qd + 2 * kvd) + 2 * S * qd * H + 2 * S * H * self.intermediate * 3
-        per_step += 2 * S * H * self.draft_vocab
         attn = sum(4 * qd * (pairs0 + j * S) for j in range(K))
         trainable = K * per_step + attn + 2 * S * 3 * H * H
-        return 3.0 * trainable + 2 * S * H * self.verifier.vocab_size
+        head = 2 * S * H * self.draft_vocab
+        head_passes = 2 if self.cfg.freeze_lm_head else 3  # forward, input gradient (, weight gradient)
+        return 3.0 * trainable + K * head * head_passes + head  # + the verifier's rows, once
 
     @torch.no_grad()
     def propose(self, context: DraftContext, num_tokens: int | None = None) -> list[int]:
@@ -271,7 +320,7 @@ class Eagle3Draft(DraftModel):
         tokens = torch.as_tensor(context.token_ids, dtype=torch.int64, device=device)
         if T < 1 or tokens.numel() != T + 1:
             raise ValueError(f"need T >= 1 aux rows and T + 1 token ids, got {T} and {tokens.numel()}")
-        hidden = self.fc(self._dtype_in(aux.reshape(T, -1)))
+        hidden = self.context_features(aux.reshape(T, -1))
         ids = tokens[1:]
         draft_ids = draft_to_target_ids(self.d2t)
         out: list[int] = []
@@ -280,12 +329,18 @@ class Eagle3Draft(DraftModel):
             x, residual = self.layer.pre_attention(self._dtype_in(self.verifier.embed(ids)), hidden)
             q, k, v = self.layer.self_attn.qkv(x, rope_cos_sin(torch.arange(L, device=device), self.head_dim,
                                                                 self.theta))  # fmt: skip
-            attn = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True,
+            pos = torch.arange(L, device=device)
+            causal = pos[None, :] <= pos[:, None]
+            if self.cfg.sliding_window is not None:
+                causal = causal & (pos[None, :] > pos[:, None] - self.cfg.sliding_window)
+            attn = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=causal,
                                                   enable_gqa=self.heads != self.kv_heads)[0]  # fmt: skip
             prenorm = self.layer.post_attention(attn, residual)
-            nxt = draft_ids[self.lm_head(self.norm(prenorm[-1:])).argmax(-1)]
+            normed = self.norm(prenorm[-1:])
+            nxt = draft_ids[F.linear(normed, self.lm_head.weight.to(normed.dtype)).argmax(-1)]
             out.append(int(nxt.item()))
-            hidden = torch.cat([hidden, prenorm[-1:].to(hidden.dtype)])
+            fed = normed if self.cfg.norm_output else prenorm[-1:]
+            hidden = torch.cat([hidden, fed.to(hidden.dtype)])
             ids = torch.cat([ids, nxt])
         return out
 
@@ -307,6 +362,9 @@ class Eagle3Draft(DraftModel):
             self.intermediate,
             model_type="llama",
         )
+        if cfg.sliding_window is not None:
+            layer_cfg.update(layer_types=["sliding_attention"], use_sliding_window=True,
+                             sliding_window=cfg.sliding_window)  # fmt: skip
         return {
             "architectures": ["Eagle3Speculator"],
             "speculators_model_type": "eagle3",
@@ -316,8 +374,8 @@ class Eagle3Draft(DraftModel):
             "target_hidden_size": None if info.hidden_size == self.hidden else info.hidden_size,
             "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
             "norm_before_residual": cfg.norm_before_residual,
-            "norm_before_fc": False,
+            "norm_before_fc": cfg.norm_before_fc,
             "fc_norm": False,
-            "norm_output": False,
+            "norm_output": cfg.norm_output,
             "torch_dtype": "bfloat16",
         }

@@ -118,7 +118,8 @@ def attend(
     if backend == "flex":
         if block_mask is None:
             block_mask = block_mask_for(spec)
-        fn = _compiled_flex() if q.is_cuda else _eager_flex()
+        # inside a compiled region flex_attention is traced as is; eager CUDA calls a compiled one
+        fn = _compiled_flex() if q.is_cuda and not torch.compiler.is_compiling() else _eager_flex()
         out = fn(q[None], k[None], v[None], block_mask=block_mask, enable_gqa=q.shape[0] != k.shape[0])
         return out[0]
     if backend != "sdpa":

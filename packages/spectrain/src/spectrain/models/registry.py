@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -23,6 +24,8 @@ if TYPE_CHECKING:
     from spectrain.data import Batch
     from spectrain.verifier import VerifierHeads
 
+log = logging.getLogger(__name__)
+
 _REGISTRY: dict[str, type[DraftConfig]] = {}
 BUILTIN = ("dflash", "eagle3")
 
@@ -32,6 +35,10 @@ class DraftConfig:
     """Fields every draft has. ``None`` means "take it from the verifier / the store"."""
 
     algorithm: ClassVar[str] = ""
+    RETIRED: ClassVar[tuple[str, ...]] = ()
+    """Options that no longer exist; older saved configs holding them still load."""
+    default_optimizer: ClassVar[str] = "adamw"
+    """What ``--optimizer auto`` means for this algorithm (chosen by measurement, docs/decisions.md)."""
 
     aux_layer_ids: tuple[int, ...] | None = None
     """vLLM extraction layer ids feeding the draft (a subset of the store's; default: all but the last)."""
@@ -46,9 +53,44 @@ class DraftConfig:
     draft_vocab_size: int | None = None
     """Reduced draft vocabulary (d2t/t2d built from token frequencies); None = full verifier vocabulary."""
     target_mode: str = "soft"
-    """``soft``: cross-entropy against the verifier's distribution; ``hard``: against its argmax."""
+    """``soft``: KL divergence from the verifier's distribution; ``hard``: cross-entropy against
+    its argmax (both built-in algorithms default to ``hard``: docs/decisions.md)."""
+    loss_norm: str = "weight"
+    """Divide the weighted loss sum by the sum of the weights (``weight``) or by the number of
+    trained positions (``count``, speculators; for Eagle3 the steps' means are then summed).
+    DFlash defaults to ``count``."""
+    sliding_window: int | None = None
+    """Earlier positions the draft's attention reaches (speculators' sliding-attention layers):
+    DFlash blocks see context slots ``>= anchor - sliding_window``, Eagle3 queries keys
+    ``> t - sliding_window``; None = the whole document."""
     attention_backend: str = "auto"
     """``auto`` (flex on CUDA, sdpa on CPU), ``flex`` or ``sdpa``."""
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        """Raise ``ValueError`` naming the field for an impossible setting; put aux layer ids in
+        ascending order (vLLM concatenates the auxiliary states in that order)."""
+        self.choose("target_mode", ("soft", "hard"))
+        self.choose("loss_norm", ("weight", "count"))
+        self.choose("attention_backend", ("auto", "flex", "sdpa"))
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window: must be >= 1, got {self.sliding_window}")
+        if self.aux_layer_ids is not None:
+            ids = tuple(int(i) for i in self.aux_layer_ids)
+            if len(set(ids)) != len(ids):
+                raise ValueError(f"aux_layer_ids: {list(ids)} repeats a layer")
+            if list(ids) != sorted(ids):
+                log.warning("aux_layer_ids %s sorted to %s: vLLM concatenates auxiliary states in "
+                            "ascending layer order", list(ids), sorted(ids))  # fmt: skip
+            self.aux_layer_ids = tuple(sorted(ids))
+
+    def choose(self, name: str, allowed: Sequence[str]) -> None:
+        """Refuse a value of field ``name`` outside ``allowed``."""
+        value = getattr(self, name)
+        if value not in allowed:
+            raise ValueError(f"{name}: {value!r} is not {' | '.join(allowed)}")
 
     @staticmethod
     def model_class() -> type[DraftModel]:
@@ -64,7 +106,7 @@ class DraftConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any], *, where: str = "config") -> DraftConfig:
         """Build from a dict, rejecting unknown keys with a message naming them."""
-        d = {k: v for k, v in d.items() if k != "algorithm"}
+        d = {k: v for k, v in d.items() if k != "algorithm" and k not in cls.RETIRED}
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - names)
         if unknown:
@@ -92,7 +134,14 @@ class DraftContext:
 
 
 class DraftModel(nn.Module):
-    """Base of all drafts. Holds the frozen :class:`VerifierHeads` outside the module tree."""
+    """Base of all drafts. Holds the frozen :class:`VerifierHeads` outside the module tree.
+
+    A training forward is two parts: :meth:`draw` (eager: the step's random draws and attention
+    masks, on the batch's device, in shapes that do not depend on the data) and
+    :meth:`training_loss` (everything else, with no data-dependent shape and no host-device
+    sync, so :meth:`compile_training` can compile it whole). Subclasses implement those two, or
+    override :meth:`forward` itself.
+    """
 
     config_class: ClassVar[type[DraftConfig]]
 
@@ -100,14 +149,54 @@ class DraftModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.__dict__["verifier"] = verifier
+        self.__dict__["_compiled_loss"] = None
+        self.last_flops: torch.Tensor | float = 0.0
+        """Matmul FLOPs of the last forward + its backward (a device tensor: read it at log time)."""
+        self.last_outputs: dict[str, torch.Tensor] = {}
 
     @property
     def verifier(self) -> VerifierHeads:
         return self.__dict__["verifier"]
 
-    def forward(self, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Loss and metric sums (``acc_correct [K]``, ``acc_total [K]``, ``accepted_sum``, ``chains``)."""
+    def forward(
+        self, batch: Batch, generator: torch.Generator | None = None
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Loss and metric sums (``acc_correct [K]``, ``acc_total [K]``, ``accepted_sum``, ``chains``,
+        ``loss_sum``, ``weight_sum``) on one packed sequence; no host-device sync.
+
+        ``generator`` (on the batch's device) drives every random draw: the trainer derives it
+        from the step, so a resumed run repeats the draws.
+        """
+        draws = self.draw(batch, generator)
+        fn = self.__dict__["_compiled_loss"] or self.training_loss
+        loss, metrics, outputs = fn(batch, draws)
+        self.last_flops = outputs.pop("flops", 0.0)
+        self.last_outputs = outputs
+        return loss, metrics
+
+    def draw(self, batch: Batch, generator: torch.Generator | None = None) -> Any:
+        """The step's random draws and attention masks (eager, fixed shapes); passed to :meth:`training_loss`."""
+        return None
+
+    def training_loss(
+        self, batch: Batch, draws: Any
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, Any]]:
+        """``(loss, metric sums, outputs)``; ``outputs`` may hold ``flops`` (see :attr:`last_flops`)
+        and what tests and tools read afterwards (:attr:`last_outputs`)."""
         raise NotImplementedError
+
+    def compile_training(self, enable: bool = True, **options: Any) -> None:
+        """``torch.compile`` :meth:`training_loss` (``options`` go to ``torch.compile``; default
+        ``dynamic=False``: a run's packed sequences all have one shape). A subclass that overrides
+        :meth:`forward` instead gets its forward compiled."""
+        if not enable:
+            self.__dict__["_compiled_loss"] = None
+            return
+        options.setdefault("dynamic", False)
+        if type(self).training_loss is DraftModel.training_loss:
+            self.compile(**options)
+            return
+        self.__dict__["_compiled_loss"] = torch.compile(self.training_loss, **options)
 
     @torch.no_grad()
     def propose(self, context: DraftContext, num_tokens: int | None = None) -> list[int]:

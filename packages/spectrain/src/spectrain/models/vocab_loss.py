@@ -1,10 +1,12 @@
 """The vocabulary loss of both drafts, chunked over rows so ``[rows, vocabulary]`` never exists whole.
 
 :func:`vocab_loss` has the contract of ``spectrain.models.common.vocab_loss`` (the eager
-reference): draft rows ``[N, H]`` and head ``[V, H]``, the verifier's normed last-layer rows
-``[N, H]`` and its head rows over the same ``V`` tokens, a mode (``soft``: KL(verifier || draft);
-``hard``: cross-entropy on the verifier's argmax), and returns per-row losses ``[N]``, the
-draft's argmax ``[N]`` and the verifier's argmax ``[N]``.
+reference): draft rows ``[N, H]`` and head ``[V, H]``, the verifier's side over the same ``V``
+tokens, a mode (``soft``: KL(verifier || draft); ``hard``: cross-entropy on the verifier's
+argmax), and returns per-row losses ``[N]``, the draft's argmax ``[N]`` and the verifier's argmax
+``[N]``. The verifier's side is either its normed last-layer rows and head rows (its logits are
+then formed chunk by chunk) or :class:`VerifierTargets` computed once by :func:`verifier_targets`
+(Eagle3's TTT steps read the same verifier rows, shifted, and share them).
 
 Rows are processed ``chunk_rows`` at a time by a custom autograd function. A row's loss depends
 on that row alone, so the gradient of row ``r`` is ``grad_output[r]`` times the gradient of
@@ -13,7 +15,7 @@ on that row alone, so the gradient of row ``r`` is ``grad_output[r]`` times the 
 - frozen head (the common case: DFlash's verifier rows, Eagle3 with a frozen ``lm_head``): the
   forward pass computes the gradient w.r.t. the draft rows chunk by chunk and keeps only that
   ``[N, H]`` tensor; backward scales it by ``grad_output``. Three ``N x H x V`` matmuls in all,
-  as many as the eager loss;
+  as many as the eager loss (two with precomputed targets);
 - trainable head, when the logit gradients fit ``KEEP_BYTES`` (Eagle3's 32k draft vocabulary:
   0.5 GB per TTT step): forward also keeps them, unscaled, in the matmul dtype; backward scales
   them and forms the head gradient. Four matmuls, as eager; memory ``N x V`` in bf16;
@@ -21,7 +23,8 @@ on that row alone, so the gradient of row ``r`` is ``grad_output[r]`` times the 
   verifier's) and accumulates the head gradient in fp32; two matmuls more than eager.
 
 Matmuls run in the autocast dtype when autocast is on (bf16 on the GPU), the softmax math in
-fp32. Peak extra memory is about three fp32 ``[chunk_rows, V]`` tensors.
+fp32. Peak extra memory is about three fp32 ``[chunk_rows, V]`` tensors. Chunk results are
+concatenated (no writes into slices), so ``torch.compile`` traces the loss as it is.
 """
 
 from __future__ import annotations
@@ -45,13 +48,63 @@ def default_chunk_rows(vocab: int, budget_bytes: int = CHUNK_BYTES) -> int:
     return max(64, budget_bytes // (4 * max(1, vocab)) // 64 * 64)
 
 
+@dataclasses.dataclass
+class VerifierTargets:
+    """The verifier's side of :func:`vocab_loss` for ``N`` rows, computed once (:func:`verifier_targets`).
+
+    Attributes:
+        ids: ``[N]`` the verifier's argmax over the ``V`` rows.
+        logits: ``[M, V]`` its logits in the matmul dtype (``soft`` only, else None).
+        index: ``[N]`` row of ``logits`` for each of the ``N`` rows (None: row ``r`` is ``r``).
+    """
+
+    ids: torch.Tensor
+    logits: torch.Tensor | None = None
+    index: torch.Tensor | None = None
+
+    def take(self, rows: torch.Tensor) -> VerifierTargets:
+        """The targets of ``rows`` (an index into the ``N`` rows; the logits are not copied)."""
+        index = None if self.logits is None else (rows if self.index is None else self.index[rows])
+        return VerifierTargets(self.ids[rows], self.logits, index)
+
+
+@torch.no_grad()
+def verifier_targets(
+    target_hidden: torch.Tensor, target_head_weight: torch.Tensor, mode: str, *, chunk_rows: int | None = None
+) -> VerifierTargets:
+    """The verifier's argmax (and, for ``soft``, logits) of ``target_hidden [N, H]`` over the rows
+    ``target_head_weight [V, H]``; ``hard`` never holds more than one chunk of logits."""
+    _check_mode(mode)
+    device_type = target_hidden.device.type
+    td = (
+        torch.get_autocast_dtype(device_type)
+        if torch.is_autocast_enabled(device_type)
+        else target_head_weight.dtype
+    )
+    rows = chunk_rows or default_chunk_rows(target_head_weight.shape[0])
+    with torch.autocast(device_type, enabled=False):
+        tw = target_head_weight.to(td)
+        if mode == "soft":
+            logits = F.linear(target_hidden.to(td), tw)
+            return VerifierTargets(logits.argmax(-1), logits)
+        ids = [F.linear(target_hidden[s : s + rows].to(td), tw).argmax(-1)
+               for s in range(0, target_hidden.shape[0], rows)]  # fmt: skip
+    return VerifierTargets(torch.cat(ids))
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"unknown target_mode {mode!r} (soft | hard)")
+
+
 def vocab_loss(
     hidden: torch.Tensor,
     head_weight: torch.Tensor,
-    target_hidden: torch.Tensor,
-    target_head_weight: torch.Tensor,
-    mode: str,
+    target_hidden: torch.Tensor | None = None,
+    target_head_weight: torch.Tensor | None = None,
+    mode: str = "hard",
     *,
+    targets: VerifierTargets | None = None,
     chunk_rows: int | None = None,
     keep_logit_grads: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -63,6 +116,8 @@ def vocab_loss(
         target_hidden: ``[N, H]`` the verifier's last-layer states after its final norm.
         target_head_weight: ``[V, H]`` the verifier's LM-head rows of the same ``V`` tokens.
         mode: ``soft`` (KL(verifier || draft)) or ``hard`` (cross-entropy on the verifier's argmax).
+        targets: the verifier's side computed beforehand (:func:`verifier_targets`), in place of
+            ``target_hidden`` and ``target_head_weight``.
         chunk_rows: rows per chunk (default :func:`default_chunk_rows` of ``V``).
         keep_logit_grads: trainable head only: keep the ``[N, V]`` logit gradients from forward
             (True) or recompute them in backward (False); None: keep when they fit ``KEEP_BYTES``.
@@ -70,32 +125,49 @@ def vocab_loss(
     Returns:
         ``(loss [N] float32, draft argmax [N], verifier argmax [N])``; argmaxes index the ``V`` rows.
     """
-    if mode not in MODES:
-        raise ValueError(f"unknown target_mode {mode!r} (soft | hard)")
-    if hidden.dim() != 2 or target_hidden.shape != hidden.shape:
-        raise ValueError(f"hidden {tuple(hidden.shape)} and target_hidden {tuple(target_hidden.shape)} "
-                         "must both be [N, H]")  # fmt: skip
-    if head_weight.dim() != 2 or head_weight.shape != target_head_weight.shape:
-        raise ValueError(f"head_weight {tuple(head_weight.shape)} and target_head_weight "
-                         f"{tuple(target_head_weight.shape)} must both be [V, H]")  # fmt: skip
+    _check_mode(mode)
+    soft = mode == "soft"
+    if targets is None:
+        if target_hidden is None or target_head_weight is None:
+            raise ValueError("vocab_loss needs targets or both target_hidden and target_head_weight")
+        if hidden.dim() != 2 or target_hidden.shape != hidden.shape:
+            raise ValueError(f"hidden {tuple(hidden.shape)} and target_hidden {tuple(target_hidden.shape)} "
+                             "must both be [N, H]")  # fmt: skip
+        if head_weight.dim() != 2 or head_weight.shape != target_head_weight.shape:
+            raise ValueError(f"head_weight {tuple(head_weight.shape)} and target_head_weight "
+                             f"{tuple(target_head_weight.shape)} must both be [V, H]")  # fmt: skip
+        ids = logits = index = None
+    else:
+        ids, logits, index = targets.ids, targets.logits, targets.index
+        if hidden.dim() != 2 or ids.shape != hidden.shape[:1]:
+            raise ValueError(f"hidden {tuple(hidden.shape)} must be [N, H] with targets for its N rows, "
+                             f"got {tuple(ids.shape)}")  # fmt: skip
+        if soft and (logits is None or logits.shape[1] != head_weight.shape[0]):
+            raise ValueError("soft targets need the verifier's logits over the head's V rows")
+        target_hidden = target_head_weight = None
     if head_weight.shape[1] != hidden.shape[1]:
         raise ValueError(f"head_weight is [V, {head_weight.shape[1]}], hidden is [N, {hidden.shape[1]}]")
     rows = chunk_rows or default_chunk_rows(head_weight.shape[0])
     if rows < 1:
         raise ValueError(f"chunk_rows must be >= 1, got {rows}")
-    plan = _Plan.of(hidden, head_weight, target_head_weight, mode == "soft", rows)
+    plan = _Plan.of(hidden, target_head_weight, soft, rows)
     if keep_logit_grads is None:
         size = torch.finfo(plan.draft_dtype).bits // 8
         keep_logit_grads = hidden.shape[0] * head_weight.shape[0] * size <= KEEP_BYTES
     plan.keep = keep_logit_grads
+    if (
+        target_head_weight is head_weight
+    ):  # one tensor may enter an autograd function (and torch.compile) once
+        plan.shared_head, target_head_weight = True, None
+    side = (target_hidden, target_head_weight, ids, logits, index)
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or head_weight.requires_grad)
     if not needs_grad:
         with torch.autocast(plan.device_type, enabled=False):
-            loss, pred, tgt, _, _ = _forward_chunks(
-                plan, hidden, head_weight, target_hidden, target_head_weight
+            loss, pred, tgt, _, _, _, _ = _forward_chunks(
+                plan, hidden, head_weight, _shared(plan, side, head_weight)
             )
         return loss, pred, tgt
-    return _ChunkedVocabLoss.apply(hidden, head_weight, target_hidden, target_head_weight, plan)
+    return _ChunkedVocabLoss.apply(hidden, head_weight, *side, plan)
 
 
 @dataclasses.dataclass
@@ -109,70 +181,84 @@ class _Plan:
     soft: bool
     rows: int
     keep: bool = False
+    shared_head: bool = False
+    """The verifier's head rows are the draft's (``target_head_weight is head_weight``)."""
 
     @classmethod
-    def of(cls, hidden, head_weight, target_head_weight, soft: bool, rows: int) -> _Plan:
+    def of(cls, hidden, target_head_weight, soft: bool, rows: int) -> _Plan:
         device_type = hidden.device.type
         if torch.is_autocast_enabled(device_type):
             # the eager loss runs both heads as autocast linears: in the autocast dtype
             dd = td = torch.get_autocast_dtype(device_type)
         else:
-            dd, td = hidden.dtype, target_head_weight.dtype
+            dd = hidden.dtype
+            td = target_head_weight.dtype if target_head_weight is not None else dd
         return cls(device_type, dd, td, torch.promote_types(dd, torch.float32), soft, rows)
 
 
-def _chunk_logits(plan: _Plan, h, w, th, tw):
-    """fp32 draft logits and the verifier's log-probabilities (soft) or logits (hard) of one chunk."""
-    ld = F.linear(h.to(plan.draft_dtype), w).to(plan.acc_dtype)
+def _shared(plan: _Plan, side: tuple, head_weight: torch.Tensor) -> tuple:
+    """``side`` with the draft's head as the verifier's when they are one tensor."""
+    return (side[0], head_weight, *side[2:]) if plan.shared_head else side
+
+
+def _chunk_targets(plan: _Plan, s: int, e: int, side) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The verifier's fp32 logits of rows ``s:e`` (``soft``; None for ``hard``) and their argmax."""
+    th, tw, ids, logits, index = side
     with torch.no_grad():
-        lt = F.linear(th.to(plan.target_dtype), tw).to(plan.acc_dtype)
-    return ld, lt
+        if th is None:  # computed beforehand (verifier_targets)
+            if not plan.soft:
+                return None, ids[s:e]
+            rows = logits[s:e] if index is None else logits[index[s:e]]
+            return rows.to(plan.acc_dtype, copy=True), ids[s:e]  # a copy: the caller works in place
+        raw = F.linear(th[s:e].detach().to(plan.target_dtype), tw.detach().to(plan.target_dtype))
+        return (raw.to(plan.acc_dtype) if plan.soft else None), raw.argmax(-1)
 
 
-def _forward_chunks(plan: _Plan, hidden, head_weight, target_hidden, target_head_weight, grad_hidden=None,
-                    keep_lse=False, logit_grads=None):  # fmt: skip
-    """Loss, argmaxes and (when ``grad_hidden`` / ``logit_grads`` are given) d loss[r] / d hidden[r]
-    and d loss[r] / d logits[r], chunk by chunk.
+def _forward_chunks(plan: _Plan, hidden, head_weight, side, want_grad_hidden=False, keep_lse=False,
+                    want_logit_grads=False):  # fmt: skip
+    """Loss, argmaxes and (when asked) d loss[r] / d hidden[r] and d loss[r] / d logits[r], chunk
+    by chunk.
 
-    Returns ``(loss, draft argmax, verifier argmax, draft lse or None, verifier lse or None)``.
+    Returns ``(loss, draft argmax, verifier argmax, draft lse or None, verifier lse or None,
+    d hidden or None, d logits or None)``.
     """
-    N, device = hidden.shape[0], hidden.device
+    N = hidden.shape[0]
     w = head_weight.detach().to(plan.draft_dtype)
-    tw = target_head_weight.detach().to(plan.target_dtype)
-    loss = torch.empty(N, dtype=plan.acc_dtype, device=device)
-    pred = torch.empty(N, dtype=torch.int64, device=device)
-    tgt = torch.empty(N, dtype=torch.int64, device=device)
-    lse_d = torch.empty(N, dtype=plan.acc_dtype, device=device) if keep_lse else None
-    lse_t = torch.empty(N, dtype=plan.acc_dtype, device=device) if keep_lse and plan.soft else None
+    loss, pred, tgt, lse_d, lse_t, grad_h, logit_g = [], [], [], [], [], [], []
     for s in range(0, N, plan.rows):
         e = min(N, s + plan.rows)
-        ld, lt = _chunk_logits(plan, hidden[s:e].detach(), w, target_hidden[s:e].detach(), tw)
-        pred[s:e] = ld.argmax(-1)
-        tgt[s:e] = lt.argmax(-1)
+        ld = F.linear(hidden[s:e].detach().to(plan.draft_dtype), w).to(plan.acc_dtype)
+        lt, t = _chunk_targets(plan, s, e, side)
+        pred.append(ld.argmax(-1))
+        tgt.append(t)
         lse = torch.logsumexp(ld, -1)
+        p = None
         if plan.soft:
             tl = torch.logsumexp(lt, -1)
             logp = lt.sub_(tl[:, None])
             p = logp.exp()
             # KL(p || q) = sum p * (log p - ld) + lse(ld) (sum p = 1), in place of log p
-            loss[s:e] = logp.sub_(ld).mul_(p).sum(-1) + lse
+            loss.append(logp.sub_(ld).mul_(p).sum(-1) + lse)
             del logp, lt
-            if lse_t is not None:
-                lse_t[s:e] = tl
+            if keep_lse:
+                lse_t.append(tl)
         else:
-            p = None
-            loss[s:e] = lse - ld.gather(1, tgt[s:e, None]).squeeze(1)
-        if lse_d is not None:
-            lse_d[s:e] = lse
-        if grad_hidden is not None or logit_grads is not None:
-            g = _logit_grad(ld, lse, p, tgt[s:e]).to(plan.draft_dtype)
-            if grad_hidden is not None:
-                grad_hidden[s:e] = (g @ w).to(grad_hidden.dtype)
-            if logit_grads is not None:
-                logit_grads[s:e] = g
+            loss.append(lse - ld.gather(1, t[:, None]).squeeze(1))
+        if keep_lse:
+            lse_d.append(lse)
+        if want_grad_hidden or want_logit_grads:
+            g = _logit_grad(ld, lse, p, t).to(plan.draft_dtype)
+            if want_grad_hidden:
+                grad_h.append((g @ w).to(hidden.dtype))
+            if want_logit_grads:
+                logit_g.append(g)
             del g
         del ld, p
-    return loss, pred, tgt, lse_d, lse_t
+
+    def cat(parts):
+        return torch.cat(parts) if parts else None
+
+    return cat(loss), cat(pred), cat(tgt), cat(lse_d), cat(lse_t), cat(grad_h), cat(logit_g)
 
 
 def _logit_grad(
@@ -187,25 +273,19 @@ def _logit_grad(
 
 class _ChunkedVocabLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, head_weight, target_hidden, target_head_weight, plan: _Plan):
+    def forward(ctx, hidden, head_weight, target_hidden, target_head_weight, ids, logits, index, plan: _Plan):
+        side = _shared(plan, (target_hidden, target_head_weight, ids, logits, index), head_weight)
         train_head = head_weight.requires_grad
         keep = train_head and plan.keep
-        grad_hidden = logit_grads = None
-        if (keep or not train_head) and hidden.requires_grad:
-            grad_hidden = torch.empty_like(hidden)
-        if keep:
-            logit_grads = torch.empty(hidden.shape[0], head_weight.shape[0], dtype=plan.draft_dtype,
-                                      device=hidden.device)  # fmt: skip
         with torch.autocast(plan.device_type, enabled=False):
-            loss, pred, tgt, lse_d, lse_t = _forward_chunks(
+            loss, pred, tgt, lse_d, lse_t, grad_hidden, logit_grads = _forward_chunks(
                 plan,
                 hidden,
                 head_weight,
-                target_hidden,
-                target_head_weight,
-                grad_hidden,
+                side,
+                want_grad_hidden=(keep or not train_head) and hidden.requires_grad,
                 keep_lse=train_head and not keep,
-                logit_grads=logit_grads,
+                want_logit_grads=keep,
             )
         ctx.plan = plan
         ctx.head_dtype = head_weight.dtype
@@ -213,8 +293,11 @@ class _ChunkedVocabLoss(torch.autograd.Function):
         if ctx.mode == "keep":
             ctx.save_for_backward(grad_hidden, logit_grads, hidden)
         elif ctx.mode == "recompute":
-            ctx.save_for_backward(hidden, head_weight, target_hidden if plan.soft else None,
-                                  target_head_weight if plan.soft else None, lse_d, lse_t, tgt)  # fmt: skip
+            soft = plan.soft
+            ctx.save_for_backward(hidden, head_weight, target_hidden if soft else None,
+                                  target_head_weight if soft and not plan.shared_head else None,
+                                  logits if soft else None,
+                                  index if soft else None, lse_d, lse_t, tgt)  # fmt: skip
         else:
             ctx.save_for_backward(grad_hidden)
         ctx.mark_non_differentiable(pred, tgt)
@@ -223,23 +306,24 @@ class _ChunkedVocabLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_pred, _grad_tgt):
         plan: _Plan = ctx.plan
+        none = (None,) * 6
         if ctx.mode == "frozen":
             (grad_hidden,) = ctx.saved_tensors
             if grad_hidden is None:
-                return None, None, None, None, None
-            return (grad_hidden * grad_loss[:, None]).to(grad_hidden.dtype), None, None, None, None
+                return None, None, *none
+            return (grad_hidden * grad_loss[:, None]).to(grad_hidden.dtype), None, *none
         if ctx.mode == "keep":
             grad_hidden, logit_grads, hidden = ctx.saved_tensors
             grad_h = None if grad_hidden is None else (grad_hidden * grad_loss[:, None]).to(grad_hidden.dtype)
             with torch.autocast(plan.device_type, enabled=False):
                 grad_w = _head_grad(plan, grad_loss, logit_grads, hidden)
-            return grad_h, grad_w.to(ctx.head_dtype), None, None, None
-        hidden, head_weight, target_hidden, target_head_weight, lse_d, lse_t, tgt = ctx.saved_tensors
+            return grad_h, grad_w.to(ctx.head_dtype), *none
+        hidden, head_weight, th, tw, logits, index, lse_d, lse_t, tgt = ctx.saved_tensors
         with torch.autocast(plan.device_type, enabled=False):
-            grad_h, grad_w = _backward_chunks(plan, grad_loss, hidden, head_weight, target_hidden,
-                                              target_head_weight, lse_d, lse_t, tgt,
+            side = _shared(plan, (th, tw, tgt, logits, index), head_weight)
+            grad_h, grad_w = _backward_chunks(plan, grad_loss, hidden, head_weight, side, lse_d, lse_t,
                                               ctx.needs_input_grad[0])  # fmt: skip
-        return grad_h, grad_w, None, None, None
+        return grad_h, grad_w, *none
 
 
 def _head_grad(plan: _Plan, grad_loss, logit_grads, hidden) -> torch.Tensor:
@@ -253,13 +337,12 @@ def _head_grad(plan: _Plan, grad_loss, logit_grads, hidden) -> torch.Tensor:
     return grad_w
 
 
-def _backward_chunks(plan, grad_loss, hidden, head_weight, target_hidden, target_head_weight, lse_d, lse_t, tgt,
-                     want_hidden):  # fmt: skip
+def _backward_chunks(plan, grad_loss, hidden, head_weight, side, lse_d, lse_t, want_hidden):
     """Recompute each chunk's logit gradient; return (d hidden or None, d head_weight)."""
     w = head_weight.detach().to(plan.draft_dtype)
-    tw = target_head_weight.detach().to(plan.target_dtype) if plan.soft else None
+    tgt = side[2]
     grad_w = torch.zeros(head_weight.shape, dtype=torch.float32, device=head_weight.device)
-    grad_h = torch.empty_like(hidden) if want_hidden else None
+    grad_h = []
     go = grad_loss.to(plan.acc_dtype)
     for s in range(0, hidden.shape[0], plan.rows):
         e = min(hidden.shape[0], s + plan.rows)
@@ -267,11 +350,11 @@ def _backward_chunks(plan, grad_loss, hidden, head_weight, target_hidden, target
         ld = F.linear(h, w).to(plan.acc_dtype)
         p = None
         if plan.soft:
-            lt = F.linear(target_hidden[s:e].detach().to(plan.target_dtype), tw).to(plan.acc_dtype)
+            lt, _ = _chunk_targets(plan, s, e, side)
             p = lt.sub_(lse_t[s:e, None]).exp_()
         g = _logit_grad(ld, lse_d[s:e], p, tgt[s:e]).mul_(go[s:e, None]).to(plan.draft_dtype)
         del ld, p
-        if grad_h is not None:
-            grad_h[s:e] = (g @ w).to(grad_h.dtype)
+        if want_hidden:
+            grad_h.append((g @ w).to(hidden.dtype))
         grad_w += (g.t() @ h).float()
-    return grad_h, grad_w.to(head_weight.dtype)
+    return (torch.cat(grad_h) if want_hidden else None), grad_w.to(head_weight.dtype)

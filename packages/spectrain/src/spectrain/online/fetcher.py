@@ -95,7 +95,7 @@ class Fetcher:
             opts.setdefault("request_prefix", self.request_prefix)
         if self.config.reads_once:  # read once into the batch, from the file, checked as it lands
             opts.setdefault("check_finite", False)
-            opts.setdefault("map_files", False)
+            opts.setdefault("rows_in_file", True)
         return HiddenStateClient(ClientConfig(**opts))
 
     def wake(self) -> None:

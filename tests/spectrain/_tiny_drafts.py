@@ -1,0 +1,54 @@
+"""Tiny synthetic drafts and packed sequences for tests of the training step (no store, no files)."""
+
+from __future__ import annotations
+
+import torch
+
+from spectrain.batch import Batch
+from spectrain.models import build_draft, get_config_class
+from spectrain.verifier import VerifierHeads, VerifierInfo
+
+V, H, S = 256, 32, 128
+OPTIONS = {"dflash": {"num_layers": 2, "block_size": 4, "max_anchors": 16},
+           "eagle3": {"draft_vocab_size": 96, "ttt_steps": 3}}  # fmt: skip
+
+
+def heads(dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0) -> VerifierHeads:
+    """Random frozen verifier heads (embeddings, norm, LM head) of a tiny Qwen3-shaped verifier."""
+    info = VerifierInfo(path="t", name_or_path="t", architectures=("Qwen3ForCausalLM",), model_type="qwen3",
+                        hidden_size=H, vocab_size=V, num_hidden_layers=4, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=8, intermediate_size=64, rms_norm_eps=1e-6,
+                        rope_theta=1e4, max_position_embeddings=512, tie_word_embeddings=False)  # fmt: skip
+    g = torch.Generator().manual_seed(seed)
+    emb, head = torch.randn(V, H, generator=g), torch.randn(V, H, generator=g)
+    return VerifierHeads(
+        info, emb.to(device, dtype), torch.ones(H, device=device, dtype=dtype), head.to(device, dtype)
+    )
+
+
+def draft(algorithm: str, verifier: VerifierHeads | None = None, seed: int = 0, **options):
+    """A tiny draft of ``algorithm`` (its vocabulary map built from uniform counts)."""
+    verifier = verifier or heads()
+    torch.manual_seed(seed)
+    cfg = get_config_class(algorithm)(aux_layer_ids=(1, 2, 3), **{**OPTIONS[algorithm], **options})
+    model = build_draft(cfg, verifier).to(verifier.lm_head.device)
+    if model.needs_token_counts:
+        model.prepare(torch.arange(V, dtype=torch.float64))
+    return model
+
+
+def packed(
+    seed: int = 1, dtype: torch.dtype = torch.bfloat16, device: str = "cpu", lengths=(50, 41, 30)
+) -> Batch:
+    """One packed sequence of ``S`` slots: documents of ``lengths`` (loss on their last two thirds), padding after."""
+    g = torch.Generator().manual_seed(seed)
+    used = sum(lengths)
+    pos = torch.cat([torch.arange(n) for n in lengths] + [torch.zeros(S - used, dtype=torch.long)])
+    doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)] + [torch.full((S - used,), -1)])
+    ends = torch.cat([torch.full((n,), sum(lengths[: i + 1])) for i, n in enumerate(lengths)]
+                     + [torch.arange(used, S) + 1])  # fmt: skip
+    size = torch.cat([torch.full((n,), n) for n in lengths] + [torch.ones(S - used, dtype=torch.long)])
+    loss = (pos >= size // 3) & (doc >= 0)
+    ids = torch.randint(0, V, (S,), generator=g)
+    hs = torch.randn(S, 4, H, generator=g).to(dtype)
+    return Batch(ids, loss, pos, doc, ends, hs, sample_ids=[f"s{seed}"], num_tokens=used).to(device)
