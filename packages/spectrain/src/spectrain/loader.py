@@ -343,7 +343,7 @@ class _OpenSequence:
         layers = None if self.loader.num_workers > 0 else self.loader.layers
         hi = lo + n
         self.jobs[lo] = pool.submit(
-            _read_job, read, b.hidden_states[lo:hi], b.input_ids[lo:hi], b.loss_mask[lo:hi], layers
+            _Job(_read_job, read, b.hidden_states[lo:hi], b.input_ids[lo:hi], b.loss_mask[lo:hi], layers)
         )
 
     def close(self, plan_end: int, pool: ThreadPoolExecutor) -> _Pending:
@@ -358,7 +358,7 @@ class _OpenSequence:
         b = pending.batch
         # the padding's states: zero where an earlier sequence wrote (a device copy zeroes them there)
         if self.dirty > self.used and L.device is None:
-            pending.others.append(pool.submit(zero_rows, b.hidden_states[self.used : self.dirty]))
+            pending.others.append(pool.submit(_Job(zero_rows, b.hidden_states[self.used : self.dirty])))
         if not L.pin:
             L.buffers.settle(b.hidden_states, self.used)
         for _, read, lo, n in sorted(self.placed, key=lambda p: -p[3]):
@@ -372,6 +372,23 @@ class _OpenSequence:
         b.sample_ids = self.sample_ids
         b.plan_start, b.plan_end, b.num_tokens = self.plan_start, plan_end, self.used
         return pending
+
+
+class _Job:
+    """A reader-thread task that drops its arguments as it finishes.
+
+    The executor keeps a finished task alive for a moment after its result is posted; a task
+    holding views of a sequence buffer would keep that buffer "in use" after the consumer
+    released the batch, and the pool would allocate another one.
+    """
+
+    def __init__(self, fn: Callable[..., Any], *args: Any):
+        self._call: tuple[Callable[..., Any], tuple[Any, ...]] | None = (fn, args)
+
+    def __call__(self) -> Any:
+        fn, args = self._call  # type: ignore[misc]
+        self._call = None
+        return fn(*args)
 
 
 def _read_job(read: SampleRead, hidden, input_ids, loss_mask, layers) -> str | None:
