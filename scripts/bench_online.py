@@ -9,8 +9,9 @@ to ``--headroom`` times the trainer's consumption.
 
 Measured: the fraction of trainer time spent waiting for data (steady state: after
 ``--warmup-steps`` steps, while the pipeline first fills; the warm-up's wait is reported
-separately on stderr), and the peak bytes
-of the scratch directory against its configured bound (polled every 5 ms by a watcher thread).
+separately on stderr), and the peak bytes of the scratch directory (polled every 5 ms by a
+watcher thread) and of fetched samples held in memory (``held_peak_bytes``: read-once, the
+default) against the configured bound.
 
 Also measured: milliseconds to render one prompt locally (what the trainer spends per prompt when
 it sizes an online run's LR schedule).
@@ -22,8 +23,10 @@ request at once by hard-linking the prompt's file into the shared directory. A t
 through ``OnlineSource`` + ``PackedLoader`` (8192-token sequences) as fast as it can, and the same
 bytes are read raw (``preadv`` of each file into a reused page-locked buffer, 1 and ``--threads``
 threads, the better counts), interleaved and repeated in one run: ``online_gbps`` and
-``online_ratio`` (``persist_fetched=False``: server file -> validated -> batch, one copy), and the
-same with the default scratch store (``online_gbps_scratch``, ``online_ratio_scratch``). Then a
+``online_ratio`` (the default with ``--delete-consumed``: each fetched sample read once, server
+file -> validated -> batch, one copy), and the same with the scratch store
+(``persist_fetched=true``: ``online_gbps_scratch``, ``online_ratio_scratch``, on a shorter pass).
+Rates are whole passes (each pays one pipeline fill), of 6.3 GB (``--quick``) or 17 GB. Then a
 trainer stepping at half that ceiling (a sleep per step) gives ``real_wait_fraction``.
 
 Last stdout line: ``{"wait_fraction", "scratch_peak_bytes", "scratch_bound_bytes",
@@ -64,9 +67,7 @@ def main() -> None:
     ap.add_argument("--mode", choices=["all", "tiny", "realistic"], default="all",
                     help="tiny: the 64-wide server against a paced trainer; realistic: reference byte rates")  # fmt: skip
     ap.add_argument("--threads", type=int, default=2, help="realistic: loader read threads")
-    ap.add_argument(
-        "--repeats", type=int, default=None, help="realistic: interleaved repeats (default 3, quick 2)"
-    )
+    ap.add_argument("--repeats", type=int, default=None, help="realistic: interleaved repeats (default 3)")
     args = ap.parse_args()
     if args.quick:
         args.prompts = min(args.prompts, 400)
@@ -168,7 +169,7 @@ def tiny_bench(args) -> dict:
     }
     print(json.dumps(detail), file=sys.stderr)
     return {"wait_fraction": steady, "scratch_peak_bytes": peak[0], "scratch_bound_bytes": bound,
-            "render_ms_per_prompt": render_ms}  # fmt: skip
+            "held_peak_bytes": stats["held_peak_bytes"], "render_ms_per_prompt": render_ms}  # fmt: skip
 
 
 def render_ms_per_prompt(prompts: Path, model: Path) -> float:

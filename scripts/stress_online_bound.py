@@ -5,7 +5,8 @@ sequences, a one-layer DFlash draft on CPU) ``--runs`` times, ``--parallel`` at 
 against its own reference server, so that the runs load the CPU the way a busy CI machine
 does. A watcher thread polls each scratch directory's size every 10 ms.
 
-Measured per run: the peak scratch bytes and the trainer's ``overshoots`` counter (fetches past
+Measured per run: the peak bytes held (the scratch directory, or the fetched samples held in memory
+by the default read-once mode, ``held_peak_bytes``) and the trainer's ``overshoots`` counter (fetches past
 the bound to escape a deadlock). Last stdout line: ``{"runs", "overshoot_runs", "peak_max_bytes",
 "bound_bytes"}``; ``overshoot_runs`` counts runs that overshot by either measure.
 """
@@ -64,7 +65,7 @@ def one_run(model: Path, chats: list[str]) -> dict:
             raise RuntimeError(f"training failed ({proc.returncode}): {proc.stderr[-2000:]}")
         records = [json.loads(x) for x in (tmp / "save" / "metrics.jsonl").read_text().splitlines()]
         data = [r["data"] for r in records if "data" in r][-1]
-        return {"peak": peak[0], "overshoots": data["overshoots"]}
+        return {"peak": max(peak[0], data.get("held_peak_bytes", 0)), "overshoots": data["overshoots"]}
 
 
 def main() -> None:

@@ -166,7 +166,7 @@ def test_kill_and_resume_trains_every_sample_once(tiny_model_dir, sample_chats_p
         watch = ScratchWatcher(tmp_path / "scratch")
         cmd = train_cmd(
             url, tmp_path / "p.jsonl", tiny_model_dir, tmp_path, "--epochs", "2", "--delete-consumed",
-            "--save-every", "3",
+            "--save-every", "3", "--online-option", "persist_fetched=true",  # the scratch-store mode
         )  # fmt: skip
         first = subprocess.Popen(
             cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
@@ -197,6 +197,58 @@ def test_kill_and_resume_trains_every_sample_once(tiny_model_dir, sample_chats_p
     assert steps_before >= 5
     assert peak <= BOUND
     assert last_data_metrics(save)["samples_failed"] == 0
+
+
+def test_kill_9_of_a_read_once_run_resumes_exactly_and_leaves_no_server_file(
+    tiny_model_dir, sample_chats_path, tmp_path
+):
+    """The default with --delete-consumed (each fetched sample read once from memory) killed with -9:
+    the resumed run trains every sample once per epoch within the bound, and no file the server
+    wrote for the killed run is left in the shared directory; another client's files stay."""
+    ids = write_prompts(sample_chats_path, tmp_path / "p.jsonl", 40)
+    save, shared = tmp_path / "save", tmp_path / "hs"
+    shared.mkdir()
+    planted = [  # another hsgen client's request and its lock, and a file of a client without a prefix
+        "cmpl-hsgen-0f0f0f0f0f0f-0123456789abcdef-0-cccccccc.safetensors",
+        "cmpl-hsgen-0f0f0f0f0f0f-0123456789abcdef-0-cccccccc.safetensors.lock",
+        "cmpl-0123456789abcdef-0-dddddddd.safetensors",
+    ]
+    for name in planted:
+        (shared / name).write_bytes(b"not ours")
+    with running_server(tiny_model_dir, LAYERS, shared, capacity="tokens_per_s=6000,max_seqs=4") as url:
+        cmd = train_cmd(
+            url, tmp_path / "p.jsonl", tiny_model_dir, tmp_path, "--epochs", "2", "--delete-consumed",
+            "--save-every", "3",
+        )  # fmt: skip
+        first = subprocess.Popen(cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        log = save / "online-consumed-rank0.jsonl"
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and first.poll() is None:
+            steps = len(log.read_text().splitlines()) if log.exists() else 0
+            in_flight = set(os.listdir(shared)) - set(planted)
+            if any(save.glob("checkpoint-*")) and steps >= 5 and in_flight:
+                break
+            time.sleep(0.02)
+        assert first.poll() is None, "the run ended before it could be killed"
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait()
+        time.sleep(1.0)  # the server finishes the dead run's requests: their files stay behind
+        (dead,) = [json.loads(p.read_text()) for p in (save / ".leases").glob("*.json")]
+        orphans = [n for n in os.listdir(shared) if n.startswith("cmpl-" + dead["request_prefix"])]
+        assert orphans, "the kill left no server file: the test proves nothing"
+        second = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=240)
+        left = sorted(os.listdir(shared))
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from" in second.stderr
+    per_epoch = trained_per_epoch(save)
+    assert sorted(per_epoch) == [0, 1]
+    for epoch_ids in per_epoch.values():
+        assert sorted(epoch_ids) == sorted(ids)
+    data = last_data_metrics(save)
+    assert data["samples_failed"] == 0 and data["samples_from_scratch"] == 0
+    assert 0 < data["held_peak_bytes"] <= BOUND  # fetched samples were held in memory, within the bound
+    assert data["orphans_removed"] >= len(orphans)
+    assert left == sorted(planted)  # nothing of either run is left; the other clients' files are
 
 
 def test_torchrun_ranks_fetch_and_train_only_their_share(tiny_model_dir, sample_chats_path, tmp_path):

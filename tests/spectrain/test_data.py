@@ -206,6 +206,47 @@ def test_buffers_are_reused_only_when_released():
     assert len(loader.buffers._kept) <= loader.buffers.size
 
 
+def test_padding_is_zero_in_reused_buffers_and_zeroed_only_where_written():
+    from spectrain.loader import BufferPool
+
+    # sequences of 20 slots holding 20, 5, 20, 3, 12, 20, 7 tokens: padding after fuller sequences
+    lengths = [10, 10, 5, 10, 10, 3, 12, 10, 10, 7]
+    src = MemorySource({f"s{i}": n for i, n in enumerate(lengths, 1)})
+    plan = [f"s{i}" for i in range(1, len(lengths) + 1)]
+    pool = BufferPool(3)
+    for _ in range(2):  # the second pass reuses every buffer of the first
+        ptrs = set()
+        for b in PackedLoader(src, plan, total_seq_len=20, layers=None, hidden_dtype=torch.float32, ahead=1,
+                              buffers=pool):  # fmt: skip
+            ptrs.add(b.hidden_states.data_ptr())
+            n = b.num_tokens
+            assert n > 0 and (b.hidden_states[n:] == 0).all() and (b.doc_ids[n:] == -1).all()
+            assert (b.hidden_states[:n, 0, 0] != 0).all()  # ids are 1..: every data row is written
+            del b
+        assert len(ptrs) <= 3
+    assert len(pool._kept) <= 3
+
+
+def test_buffer_pool_hands_out_the_buffer_needing_the_least_zeroing():
+    from spectrain.loader import BufferPool
+
+    pool = BufferPool(4)
+    shape = (10, 1, 2)
+    bufs = [pool.take(shape, torch.float32, 10) for _ in range(3)]
+    assert [dirty for _, dirty in bufs] == [10, 10, 10]  # fresh: anything may be in them
+    for (buf, _), used in zip(bufs, (8, 3, 6), strict=True):
+        pool.settle(buf, used)  # their padding was zeroed after 8, 3 and 6 rows
+    ptr = {used: buf.data_ptr() for (buf, _), used in zip(bufs, (8, 3, 6), strict=True)}
+    del bufs, buf
+    got, dirty = pool.take(shape, torch.float32, 7)
+    assert (got.data_ptr(), dirty) == (ptr[6], 6)  # the dirtiest not past 7 rows: nothing to zero
+    got2, dirty2 = pool.take(shape, torch.float32, 2)
+    assert (got2.data_ptr(), dirty2) == (ptr[3], 3)  # none fits: the cleanest, 1 row to zero
+    del got, got2
+    got3, dirty3 = pool.take(shape, torch.float32, None)
+    assert (got3.data_ptr(), dirty3) == (ptr[3], 3)  # length not known yet: the cleanest
+
+
 class RecordingRead:
     """A SampleRead that records the thread it ran on and when."""
 
@@ -253,6 +294,33 @@ def test_next_sequence_is_packed_off_the_training_thread_while_a_step_runs():
     assert [b.sample_ids for b in rest] == [["s3", "s4"], ["s5", "s6"], ["s7", "s8"]]
     assert all(b.hidden_states[0, 0, 0].item() == int(b.sample_ids[0][1:]) for b in rest)
     assert all(name != threading.main_thread().name for _, name in src.log)
+
+
+@pytest.mark.parametrize("waits", [True, False])
+def test_a_source_whose_locate_waits_gets_each_read_started_at_once(waits):
+    gate = threading.Event()
+
+    class Waiting(LocatingSource):
+        locate_waits = waits
+
+        def locate(self, sid):
+            if sid == "s3":
+                gate.wait(30)  # an online source waiting for a fetch
+            return super().locate(sid)
+
+    src = Waiting({"s1": 4, "s2": 4, "s3": 4})
+    it = iter(
+        PackedLoader(src, ["s1", "s2", "s3"], total_seq_len=16, layers=None, hidden_dtype=torch.float32)
+    )
+    deadline = time.monotonic() + (30 if waits else 0.5)
+    while len(src.log) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    # copies overlap the wait for s3 when locate waits; otherwise they start when the sequence closes
+    assert sorted(sid for sid, _ in src.log) == (["s1", "s2"] if waits else [])
+    gate.set()
+    (b,) = list(it)
+    assert b.sample_ids == ["s1", "s2", "s3"] and b.num_tokens == 12
+    assert [b.hidden_states[i, 0, 0].item() for i in (0, 4, 8)] == [1.0, 2.0, 3.0]
 
 
 def test_a_refused_sample_becomes_padding_and_is_reported():
@@ -306,12 +374,14 @@ def test_cuda_sequences_arrive_on_the_device_equal_to_the_host_ones(tiny_store):
     plan = src.plan(0)
     kw = dict(total_seq_len=400, layers=[0, 1, 3], hidden_dtype=torch.bfloat16)
     host = list(PackedLoader(src, plan, **kw))
-    dev = list(PackedLoader(src, plan, pin_memory=True, device="cuda", **kw))
-    assert len(host) == len(dev)
-    for h, d in zip(host, dev, strict=True):
-        assert d.hidden_states.is_cuda and d.sample_ids == h.sample_ids
-        for a, b in zip(h.tensors(), d.tensors(), strict=True):
-            assert torch.equal(a, b.cpu())
+    for _ in range(2):  # the second pass gets pinned buffers with the first's stale rows
+        dev = [b.to("cpu") for b in PackedLoader(src, plan, pin_memory=True, device="cuda", **kw)]
+        torch.cuda.synchronize()
+        assert len(host) == len(dev)
+        for h, d in zip(host, dev, strict=True):
+            assert d.sample_ids == h.sample_ids and d.num_tokens == h.num_tokens
+            for a, b in zip(h.tensors(), d.tensors(), strict=True):
+                assert torch.equal(a, b)  # padding included: zeroed on the device
 
 
 def test_estimated_packed_sequences_sample_long_plans_only():

@@ -12,6 +12,7 @@ import pytest
 
 from hsgen.client import ClientConfig
 from hsgen.generate import GenerateConfig, generate
+from hsgen.hidden_file import FileRows
 from hsgen.inputs import read_inputs
 from hsgen.render import ChatRenderer, RenderConfig
 from hsgen.serve.testing import running_server
@@ -107,8 +108,9 @@ def test_online_delete_consumed_keeps_scratch_bounded(
 ):
     bound = 3 << 20
     cfg = make_config(
-        server, prompts_file, tiny_model_dir, tmp_path, scratch_bytes=bound, delete_consumed=True
-    )
+        server, prompts_file, tiny_model_dir, tmp_path, scratch_bytes=bound, delete_consumed=True,
+        persist_fetched=True,
+    )  # fmt: skip
     src = OnlineSource(cfg)
     try:
         for epoch in (0, 1):
@@ -137,7 +139,9 @@ def test_online_delete_consumed_keeps_scratch_bounded(
 
 
 def test_consumed_shards_survive_until_consumed(server, prompts_file, tiny_model_dir, tmp_path, rendered):
-    cfg = make_config(server, prompts_file, tiny_model_dir, tmp_path, delete_consumed=True)
+    cfg = make_config(
+        server, prompts_file, tiny_model_dir, tmp_path, delete_consumed=True, persist_fetched=True
+    )
     with OnlineSource(cfg) as src:
         plan = src.plan(0)
         for sid in plan[:6]:
@@ -158,7 +162,9 @@ def test_consumed_shards_survive_until_consumed(server, prompts_file, tiny_model
 def test_epoch_boundary_deletes_what_the_last_epoch_consumed(
     server, prompts_file, tiny_model_dir, tmp_path, rendered
 ):
-    cfg = make_config(server, prompts_file, tiny_model_dir, tmp_path, delete_consumed=True)
+    cfg = make_config(
+        server, prompts_file, tiny_model_dir, tmp_path, delete_consumed=True, persist_fetched=True
+    )
     with OnlineSource(cfg) as src:
         drive(src, 0, batch=4)
         # no get() of epoch 1 yet: plan(1) alone must have finished epoch 0's deletions, so
@@ -297,7 +303,9 @@ def test_failed_samples_are_reported_and_skipped(server, prompts_file, tiny_mode
 def test_resume_refetches_deleted_and_reads_prefetched(
     server, prompts_file, tiny_model_dir, tmp_path, rendered
 ):
-    cfg = make_config(server, prompts_file, tiny_model_dir, tmp_path, delete_consumed=True)
+    cfg = make_config(
+        server, prompts_file, tiny_model_dir, tmp_path, delete_consumed=True, persist_fetched=True
+    )
     src = OnlineSource(cfg)
     plan, _, _ = drive(src, 0, stop=12)  # consumed 0..11
     deadline = time.monotonic() + 60
@@ -438,9 +446,8 @@ def test_read_once_lands_in_the_batch_and_never_in_scratch(
     import torch
 
     cfg = make_config(
-        server, prompts_file, tiny_model_dir, tmp_path, delete_consumed=True, persist_fetched=False,
-        scratch_bytes=3 << 20,
-    )  # fmt: skip
+        server, prompts_file, tiny_model_dir, tmp_path, delete_consumed=True, scratch_bytes=3 << 20
+    )  # read once: the default with --delete-consumed
     with OnlineSource(cfg) as src:
         for epoch in (0, 1):
             seen = []
@@ -492,3 +499,77 @@ def test_read_once_refuses_non_finite_states_as_they_are_copied(
 def test_read_once_needs_delete_consumed():
     with pytest.raises(ValueError, match="persist_fetched"):
         OnlineConfig(["http://x"], ["p"], "s", "v", persist_fetched=False).validate()
+
+
+def test_read_once_is_the_default_where_nothing_is_kept():
+    def mode(**kw):
+        cfg = OnlineConfig(["http://x"], ["p"], "s", "v", **kw)
+        cfg.validate()
+        return cfg.reads_once
+
+    assert mode(delete_consumed=True)  # samples are deleted after their step anyway
+    assert not mode()  # later epochs read what was fetched
+    assert not mode(cache_generated=True)  # kept in the user's store
+    assert not mode(delete_consumed=True, persist_fetched=True)  # asked for explicitly
+
+
+def test_read_once_holds_the_bound_and_trains_each_sample_once_per_epoch(
+    server, prompts_file, tiny_model_dir, tmp_path, rendered
+):
+    bound = 3 << 20
+    cfg = make_config(
+        server, prompts_file, tiny_model_dir, tmp_path, scratch_bytes=bound, delete_consumed=True
+    )
+    sizes = []
+    with OnlineSource(cfg) as src:
+        assert src.config.reads_once
+        assert src.header.num_layers == len(
+            LAYERS
+        )  # as the trainer does: the probe fetches the first sample,
+        src.plan(1)  # then every epoch is planned to size the LR schedule
+        for epoch in (0, 1):
+            plan = src.plan(epoch)
+            for i in range(0, len(plan), 3):
+                ids = plan[i : i + 3]
+                for sid in ids:
+                    check_sample(src.get(sid), rendered[0][sid])
+                with src.ledger.lock:
+                    sizes.append(src.ledger.in_use())
+                    rows = [src.ledger.held[sid][0].hidden_states for sid in ids if sid in src.ledger.held]
+                assert rows and all(isinstance(r, FileRows) for r in rows)  # left in the server's file
+                src.consumed(ids)
+                assert all(r._file.fd < 0 for r in rows)  # its pages released with the step
+        stats = src.stats()
+        scratch = HiddenStateStore.open(src.scratch_path)
+        assert len(scratch) == 0  # nothing committed
+    assert max(sizes) <= bound and 0 < stats["held_peak_bytes"] <= bound
+    assert stats["held_bytes"] == 0  # every held sample released after its step
+    assert stats["samples_generated"] == 2 * N_PROMPTS and stats["overshoots"] == 0
+    log = [
+        json.loads(x) for x in (tmp_path / "save" / "online-consumed-rank0.jsonl").read_text().splitlines()
+    ]
+    for epoch in (0, 1):
+        assert sorted(i for rec in log if rec["epoch"] == epoch for i in rec["ids"]) == sorted(rendered[0])
+
+
+def test_read_once_resume_fetches_again_what_was_fetched_but_not_trained(
+    server, prompts_file, tiny_model_dir, tmp_path, rendered
+):
+    cfg = make_config(server, prompts_file, tiny_model_dir, tmp_path, delete_consumed=True)
+    src = OnlineSource(cfg)
+    plan, _, _ = drive(src, 0, stop=12)  # consumed 0..11; the window beyond is held in memory
+    deadline = time.monotonic() + 60
+    while src.stats()["samples_generated"] < len(plan) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert src.stats()["samples_generated"] == len(plan)
+    src.close()  # a crash after the checkpoint at position 6: what it held is gone
+    resumed = OnlineSource(cfg)
+    try:
+        _, got, _ = drive(resumed, 0, start=6)
+        stats = resumed.stats()
+    finally:
+        resumed.close()
+    assert sorted(got) == sorted(plan[6:])
+    for sid, sample in got.items():
+        check_sample(sample, rendered[0][sid])
+    assert stats["samples_generated"] == len(plan) - 6 and stats["samples_from_scratch"] == 0

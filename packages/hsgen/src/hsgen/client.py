@@ -85,7 +85,13 @@ class HiddenStateClient:
         self._pool = ThreadPoolExecutor(max(1, self.config.read_threads), thread_name_prefix="hsgen-read")
         c = self.config
         wait = FileWait(
-            c.file_wait_s, c.lock_timeout_s, c.settle_s, c.check_finite, c.include_output_tokens, c.map_files
+            c.file_wait_s,
+            c.lock_timeout_s,
+            c.settle_s,
+            c.check_finite,
+            c.include_output_tokens,
+            c.map_files,
+            c.rows_in_file,
         )
         self._files = HiddenFileReader(self.shared, wait, self._pool)
         self._last_alive = time.monotonic()

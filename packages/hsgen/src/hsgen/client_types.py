@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from hsgen import protocol
 from hsgen.shared_dir import new_client_prefix
+
+if TYPE_CHECKING:
+    from hsgen.hidden_file import FileRows
 
 
 @dataclass
@@ -37,6 +41,10 @@ class ClientConfig:
         map_files: map the server's files instead of reading them: one copy less, but a writer
             that truncates a file later (a hostile server, anyone who can write the shared
             directory) kills this process with SIGBUS; only for trusted servers and directories.
+        rows_in_file: leave the hidden states in the open file (its name removed all the same)
+            as :class:`hsgen.hidden_file.FileRows`, for a consumer that copies each sample once
+            (spectrain's read-once online mode): one copy, from the file into its buffer. The
+            file's pages stay allocated until the rows are closed.
         delete_files: remove the server's file and lock after reading (vLLM never does).
         max_connections: keep-alive connections per endpoint (0 = unlimited).
         read_threads: threads reading and validating files.
@@ -64,6 +72,7 @@ class ClientConfig:
     breaker_cooldown_s: float = 10.0
     check_finite: bool = True
     map_files: bool = False
+    rows_in_file: bool = False
     delete_files: bool = True
     max_connections: int = 0
     read_threads: int = 4
@@ -108,7 +117,8 @@ class FetchedSample:
         sample_id: the prompt's id.
         hidden_states: ``[T, num_layers, hidden]`` in storage dtype (uint16 bits for bf16),
             read into this process's memory, or with ``map_files`` a read-only view of the
-            mapped file (the file itself is already deleted).
+            mapped file (the file itself is already deleted), or with ``rows_in_file`` the rows
+            still in that file (:class:`hsgen.hidden_file.FileRows`).
         token_ids: ``[T]`` int64, equal to the prompt's ids.
         loss_mask: ``[T]`` uint8.
         dtype: logical dtype of ``hidden_states``.
@@ -118,7 +128,7 @@ class FetchedSample:
     """
 
     sample_id: str
-    hidden_states: np.ndarray
+    hidden_states: np.ndarray | FileRows
     token_ids: np.ndarray
     loss_mask: np.ndarray
     dtype: str

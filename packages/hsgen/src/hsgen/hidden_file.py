@@ -10,13 +10,16 @@ link is followed, no open can block, only regular files are read.
 The states are read (``preadv`` into new arrays), not mapped, unless asked (``map_file``): a
 mapping stays tied to the file, and a writer truncating it later, even after it was unlinked,
 kills this process with SIGBUS the next time the samples are touched. Mapping saves a copy, so
-it is offered for servers and shared directories that are trusted.
+it is offered for servers and shared directories that are trusted. A consumer that copies each
+sample once (spectrain's read-once online mode) can leave the rows in the open file instead
+(``rows_in_file``: :class:`FileRows`) and read them straight into its own buffer.
 ``scripts/bench_server_files.py`` measures both (docs/decisions.md).
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import mmap
 import os
 import time
@@ -56,14 +59,107 @@ class NotReady(Exception):
     """The file is missing or shorter than its header says (a writer may still be busy)."""
 
 
-def read_hidden_states_fd(fd: int, *, map_file: bool = False) -> tuple[np.ndarray, np.ndarray, str]:
+class _OpenFile:
+    """A descriptor closed when the last :class:`FileRows` on it is closed or collected."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def close(self) -> None:
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class FileRows:
+    """Hidden-state rows left in the server's file (its name already removed), read on demand.
+
+    For a consumer that copies each sample once: :meth:`read_into` lands the rows in the
+    caller's buffer with ``preadv`` (one copy, no mapping to set up and tear down per file).
+    It has the ``shape``, ``ndim``, ``dtype`` and ``nbytes`` of the array it stands for;
+    ``rows[:n]`` keeps the first ``n`` rows; ``numpy.asarray(rows)`` reads them all into a new
+    array. The file's pages stay allocated until :meth:`close` (or collection).
+    """
+
+    def __init__(self, file: _OpenFile, offset: int, shape: tuple[int, ...], dtype: np.dtype):
+        self._file = file
+        self.offset = offset
+        self.shape = tuple(shape)
+        self.dtype = np.dtype(dtype)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, key) -> FileRows:
+        if not isinstance(key, slice) or key.start not in (None, 0) or key.step not in (None, 1):
+            raise TypeError("FileRows takes only [:n]")
+        n = min(self.shape[0], self.shape[0] if key.stop is None else max(0, key.stop))
+        return FileRows(self._file, self.offset, (n, *self.shape[1:]), self.dtype)
+
+    def read_into(self, out: np.ndarray, *, piece_bytes: int = 1 << 20, check=None) -> None:
+        """Read the rows into ``out`` (C-contiguous, this shape, an item size of this dtype's),
+        ``piece_bytes`` at a time; ``check(piece)`` runs on each piece as it lands (in cache).
+
+        Raises:
+            ValueError: ``out`` does not fit, or the file was closed.
+            EOFError: the file is shorter than its header said.
+        """
+        if (
+            tuple(out.shape) != self.shape
+            or not out.flags.c_contiguous
+            or out.dtype.itemsize != self.dtype.itemsize
+        ):
+            raise ValueError(f"buffer {out.shape} {out.dtype} does not hold rows {self.shape} {self.dtype}")
+        if self._file.fd < 0:
+            raise ValueError("the file's rows were released")
+        flat = out.reshape(-1)
+        view = memoryview(flat.view(np.uint8))
+        step = max(self.dtype.itemsize, piece_bytes // self.dtype.itemsize * self.dtype.itemsize)
+        for lo in range(0, len(view), step):
+            piece = view[lo : lo + step]
+            done = 0
+            while done < len(piece):
+                got = os.preadv(self._file.fd, [piece[done:]], self.offset + lo + done)
+                if got <= 0:
+                    raise EOFError(f"file ends {len(piece) - done} bytes short of its rows")
+                done += got
+            if check is not None:
+                check(flat[lo // self.dtype.itemsize : (lo + len(piece)) // self.dtype.itemsize])
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        out = np.empty(self.shape, dtype=self.dtype)
+        self.read_into(out)
+        return out if dtype is None else out.astype(dtype)
+
+    def close(self) -> None:
+        """Release the file (its pages are freed once nothing else holds it)."""
+        self._file.close()
+
+
+def read_hidden_states_fd(
+    fd: int, *, map_file: bool = False, rows_in_file: bool = False
+) -> tuple[np.ndarray | FileRows, np.ndarray, str]:
     """Read an open vLLM hidden-states safetensors file: ``(hidden_states, token_ids, dtype)``.
 
     The header is checked (:func:`hsgen.protocol.read_safetensors_header`), then each tensor is
     read with ``preadv`` straight into a new array: the arrays are this process's own memory,
     which nothing done to the file afterwards can change. With ``map_file`` they are read-only
     views of a private mapping instead (no copy; a writer truncating the file later kills this
-    process with SIGBUS when they are touched). ``fd`` may be closed afterwards.
+    process with SIGBUS when they are touched). With ``rows_in_file`` the token ids are read and
+    the hidden states are :class:`FileRows` on a duplicate of ``fd``: read later, once, straight
+    into the consumer's buffer (a file truncated meanwhile gives a short read, an error, never a
+    SIGBUS). ``fd`` may be closed afterwards.
 
     Raises:
         NotReady: the file is shorter than its header says (or shrank while it was read).
@@ -92,6 +188,19 @@ def read_hidden_states_fd(fd: int, *, map_file: bool = False) -> tuple[np.ndarra
             f"shapes hidden_states {list(hs.shape)} / token_ids {list(ti.shape)} are not [T, layers, hidden] / [T]"
         )
     storage = np.dtype(STORAGE_DTYPES[hs.dtype])
+    if rows_in_file:
+        try:
+            held = _OpenFile(os.dup(fd))
+        except OSError as e:  # out of descriptors (many samples held): read this one now
+            if e.errno not in (errno.EMFILE, errno.ENFILE):
+                raise
+        else:
+            try:
+                tokens = _pread_array(fd, ti, np.dtype(np.int64))
+            except BaseException:
+                held.close()
+                raise
+            return FileRows(held, hs.start, hs.shape, storage), tokens, hs.dtype
     if map_file:
         flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0)
         mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)
@@ -145,6 +254,7 @@ class FileWait:
     check_finite: bool
     include_output_tokens: bool
     map_files: bool = False
+    rows_in_file: bool = False
 
 
 class HiddenFileReader:
@@ -214,13 +324,17 @@ class HiddenFileReader:
             await asyncio.sleep(delay)
             delay = min(delay * 1.5, 0.02)
 
-    def _read_validate(self, parts: list[str], prompt: RenderedPrompt) -> tuple[np.ndarray, np.ndarray, str]:
+    def _read_validate(
+        self, parts: list[str], prompt: RenderedPrompt
+    ) -> tuple[np.ndarray | FileRows, np.ndarray, str]:
         path = self.shared.show(parts)
         fd = self.shared.open_regular(parts)
         if fd is None:
             raise NotReady("file does not exist")
         try:
-            hidden, tokens, dtype = read_hidden_states_fd(fd, map_file=self.wait.map_files)
+            hidden, tokens, dtype = read_hidden_states_fd(
+                fd, map_file=self.wait.map_files, rows_in_file=self.wait.rows_in_file
+            )
         except protocol.ProtocolError as e:
             raise FetchError("bad_file", f"{path}: {e}", transient=True) from None
         finally:
@@ -241,7 +355,7 @@ class HiddenFileReader:
                 transient=False,
             )
         hidden = hidden[:n]
-        if self.wait.check_finite and not all_finite(hidden, dtype):
+        if self.wait.check_finite and not all_finite(np.asarray(hidden), dtype):
             raise FetchError("non_finite", f"{path}: hidden states contain NaN or Inf", transient=False)
         return hidden, tokens[:n], dtype
 
@@ -275,6 +389,7 @@ async def remove_misplaced(path: str, request_id: str, wait_s: float) -> None:
 
 __all__ = [
     "STORAGE_DTYPES",
+    "FileRows",
     "FileWait",
     "HiddenFileReader",
     "NotReady",

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from spectrain.batch import Batch, empty_batch, storage_to_torch
+from spectrain.batch import BATCH_TENSORS, Batch, empty_batch, storage_to_torch, zero_rows
 from spectrain.sample_reads import ArrayRead, SampleRead, SampleRefused, fill_slot
 
 if TYPE_CHECKING:
@@ -126,7 +126,10 @@ class BufferPool:
     """Reusable CPU hidden-state buffers (pinned ones come from CUDA's caching host allocator).
 
     Fresh multi-megabyte CPU allocations cost a page fault per 4 KiB on first touch, several
-    times the copy itself, so buffers no batch references any more are handed out again.
+    times the copy itself, so buffers no batch references any more are handed out again. The
+    pool also remembers how many leading rows of each buffer may hold data (its *dirty* rows:
+    rows past them are zero), so a sequence's padding is zeroed only where an earlier sequence
+    wrote, and hands out the buffer that needs the least zeroing.
 
     Args:
         size: buffers kept per shape and dtype; more are allocated (and dropped) when all are busy.
@@ -135,20 +138,39 @@ class BufferPool:
     def __init__(self, size: int = 5):
         self.size = size
         self._kept: list[torch.Tensor] = []
+        self._dirty: dict[int, int] = {}  # data_ptr of a kept buffer -> rows that may be non-zero
         self._lock = threading.Lock()
 
-    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A buffer of ``shape`` that no batch uses (its contents are stale)."""
+    def take(
+        self, shape: tuple[int, ...], dtype: torch.dtype, used: int | None = None
+    ) -> tuple[torch.Tensor, int]:
+        """A buffer of ``shape`` that no batch uses, and how many of its leading rows may be non-zero.
+
+        The free buffer needing the least zeroing past ``used`` (the rows the caller will fill)
+        is chosen: the dirtiest one not dirtier than ``used``, else the cleanest; the cleanest
+        when ``used`` is not known yet. Rows below the returned count hold stale data; rows from
+        it on are zero.
+        """
         with self._lock:
             same = [b for b in self._kept if tuple(b.shape) == shape and b.dtype == dtype]
-            for buf in same:  # free when no view of it (no batch) is alive
-                if buf._use_count() == 1:
-                    return buf.view(shape)
+            free = [b for b in same if b._use_count() == 1]  # no view of it (no batch) is alive
+            if free:
+                dirty = [self._dirty.get(b.data_ptr(), shape[0]) for b in free]
+                fits = [] if used is None else [k for k, d in enumerate(dirty) if d <= used]
+                k = max(fits, key=dirty.__getitem__) if fits else min(range(len(free)), key=dirty.__getitem__)
+                return free[k].view(shape), dirty[k]
             buf = torch.empty(shape, dtype=dtype)
             if len(same) < self.size:
                 self._kept.append(buf)
-                return buf.view(shape)
-            return buf
+                self._dirty[buf.data_ptr()] = shape[0]
+                return buf.view(shape), shape[0]
+            return buf, shape[0]
+
+    def settle(self, buf: torch.Tensor, used: int) -> None:
+        """Record that rows of ``buf`` from ``used`` on are zero (its padding was cleared)."""
+        with self._lock:
+            if buf.data_ptr() in self._dirty:
+                self._dirty[buf.data_ptr()] = used
 
 
 class PackedLoader:
@@ -208,6 +230,8 @@ class PackedLoader:
         """Samples whose reads were refused (trained on nothing), in the order met."""
         self._warned_truncate = False
         self.buffers = buffers if buffers is not None else BufferPool(self.ahead + 3)
+        self.eager = bool(getattr(source, "locate_waits", False))
+        """Start each read as soon as its sample is placed (see :class:`_OpenSequence`)."""
 
     def __iter__(self) -> LoaderRun:
         return LoaderRun(self)
@@ -230,10 +254,12 @@ class PackedLoader:
             sid = self.plan[pos]
             yield pos, sid, locate(self.source, sid)
 
-    def _buffer(self, shape: tuple[int, ...]) -> torch.Tensor:
+    def _buffer(self, shape: tuple[int, ...], used: int | None) -> tuple[torch.Tensor, int]:
+        """A sequence buffer for ``used`` rows of data (None: not known yet) and the rows from
+        which on it is already zero."""
         if self.pin:  # CUDA's caching host allocator reuses pinned blocks once their copies are done
-            return torch.empty(shape, dtype=self.hidden_dtype, pin_memory=True)
-        return self.buffers.take(shape, self.hidden_dtype)
+            return torch.empty(shape, dtype=self.hidden_dtype, pin_memory=True), shape[0]
+        return self.buffers.take(shape, self.hidden_dtype, used)
 
     def _refuse(self, sample_id: str, reason: str) -> None:
         self.refused.append(sample_id)
@@ -264,63 +290,105 @@ class _Pending:
 
 
 class _OpenSequence:
-    """The sequence the packer is filling: slots handed out in plan order."""
+    """The sequence the packer is filling: slots handed out in plan order.
+
+    By default its buffer is taken, and its reads start, when it closes: its length is known
+    then, so the buffer needing the least zeroing of padding is chosen, and the reads go to
+    the threads largest first (the threads finish a pass together). For a source whose
+    ``locate`` waits (an online source waiting for fetches: ``locate_waits``), each read starts
+    as soon as its sample is placed instead, so the copies overlap the waits.
+    """
 
     def __init__(self, loader: PackedLoader, plan_start: int):
         self.loader = loader
         self.plan_start = plan_start
         self.used = 0
         self.sample_ids: list[str] = []
-        self.docs: list[tuple[int, int]] = []  # (start, tokens) of each real sample
+        self.placed: list[tuple[str, SampleRead, int, int]] = []  # (sample id, read, start slot, tokens)
         self.pending: _Pending | None = None
-
-    def _allocate(self, read: SampleRead) -> _Pending:
-        L = self.loader
-        S = L.total_seq_len
-        n_layers, H = read.row_shape
-        n_sel = n_layers if L.layers is None or L.num_workers > 0 else len(L.layers)
-        pin = L.pin
-        batch = Batch(
-            torch.zeros(S, dtype=torch.int64, pin_memory=pin),
-            torch.zeros(S, dtype=torch.bool, pin_memory=pin),
-            torch.zeros(S, dtype=torch.int64, pin_memory=pin),
-            torch.full((S,), -1, dtype=torch.int64, pin_memory=pin),
-            torch.arange(1, S + 1, dtype=torch.int64).pin_memory() if pin else torch.arange(1, S + 1),
-            L._buffer((S, n_sel, H)),
-        )
-        return _Pending(batch)
+        self.dirty = 0
+        self.jobs: dict[int, Future] = {}  # start slot -> its read
 
     def add(self, sample_id: str, read: SampleRead | None, n: int, pool: ThreadPoolExecutor) -> None:
         self.sample_ids.append(sample_id)
         if read is None or n == 0:
             return
-        if self.pending is None:
-            self.pending = self._allocate(read)
-        b = self.pending.batch
-        lo, hi = self.used, self.used + n
-        layers = None if self.loader.num_workers > 0 else self.loader.layers
-        job = pool.submit(
-            _read_job, read, b.hidden_states[lo:hi], b.input_ids[lo:hi], b.loss_mask[lo:hi], layers
+        self.placed.append((sample_id, read, self.used, n))
+        if self.loader.eager:
+            if self.pending is None:
+                self._allocate(read, None)
+            self._submit(pool, read, self.used, n)
+        self.used += n
+
+    def _allocate(self, read: SampleRead, used: int | None) -> None:
+        L = self.loader
+        S = L.total_seq_len
+        n_layers, H = read.row_shape
+        n_sel = n_layers if L.layers is None or L.num_workers > 0 else len(L.layers)
+        pin = L.pin
+        hidden, self.dirty = L._buffer((S, n_sel, H), used)
+        self.pending = _Pending(
+            Batch(
+                torch.zeros(S, dtype=torch.int64, pin_memory=pin),
+                torch.zeros(S, dtype=torch.bool, pin_memory=pin),
+                torch.zeros(S, dtype=torch.int64, pin_memory=pin),
+                torch.full((S,), -1, dtype=torch.int64, pin_memory=pin),
+                torch.arange(1, S + 1, dtype=torch.int64).pin_memory() if pin else torch.arange(1, S + 1),
+                hidden,
+            )
         )
-        self.pending.reads.append((job, sample_id, lo, hi))
-        self.docs.append((lo, n))
-        self.used = hi
+
+    def _submit(self, pool: ThreadPoolExecutor, read: SampleRead, lo: int, n: int) -> None:
+        b = self.pending.batch  # type: ignore[union-attr]
+        layers = None if self.loader.num_workers > 0 else self.loader.layers
+        hi = lo + n
+        self.jobs[lo] = pool.submit(
+            _Job(_read_job, read, b.hidden_states[lo:hi], b.input_ids[lo:hi], b.loss_mask[lo:hi], layers)
+        )
 
     def close(self, plan_end: int, pool: ThreadPoolExecutor) -> _Pending:
         L = self.loader
-        if self.pending is None:
+        if not self.placed:
             batch = empty_batch(L.total_seq_len, self.plan_start, plan_end, self.sample_ids, L.hidden_dtype)
             return _Pending(batch)
-        b = self.pending.batch
-        for d, (lo, n) in enumerate(self.docs):
+        if self.pending is None:
+            self._allocate(self.placed[0][1], self.used)
+        pending = self.pending
+        assert pending is not None
+        b = pending.batch
+        # the padding's states: zero where an earlier sequence wrote (a device copy zeroes them there)
+        if self.dirty > self.used and L.device is None:
+            pending.others.append(pool.submit(_Job(zero_rows, b.hidden_states[self.used : self.dirty])))
+        if not L.pin:
+            L.buffers.settle(b.hidden_states, self.used)
+        for _, read, lo, n in sorted(self.placed, key=lambda p: -p[3]):
+            if lo not in self.jobs:
+                self._submit(pool, read, lo, n)
+        for d, (sid, _, lo, n) in enumerate(self.placed):
             b.position_ids[lo : lo + n] = torch.arange(n)
             b.doc_ids[lo : lo + n] = d
             b.doc_ends[lo : lo + n] = lo + n
-        if self.used < L.total_seq_len:
-            self.pending.others.append(pool.submit(b.hidden_states[self.used :].zero_))
+            pending.reads.append((self.jobs[lo], sid, lo, lo + n))
         b.sample_ids = self.sample_ids
         b.plan_start, b.plan_end, b.num_tokens = self.plan_start, plan_end, self.used
-        return self.pending
+        return pending
+
+
+class _Job:
+    """A reader-thread task that drops its arguments as it finishes.
+
+    The executor keeps a finished task alive for a moment after its result is posted; a task
+    holding views of a sequence buffer would keep that buffer "in use" after the consumer
+    released the batch, and the pool would allocate another one.
+    """
+
+    def __init__(self, fn: Callable[..., Any], *args: Any):
+        self._call: tuple[Callable[..., Any], tuple[Any, ...]] | None = (fn, args)
+
+    def __call__(self) -> Any:
+        fn, args = self._call  # type: ignore[misc]
+        self._call = None
+        return fn(*args)
 
 
 def _read_job(read: SampleRead, hidden, input_ids, loss_mask, layers) -> str | None:
@@ -334,6 +402,18 @@ def _read_job(read: SampleRead, hidden, input_ids, loss_mask, layers) -> str | N
         if release is not None:
             release()
     return None
+
+
+def _to_device(host: Batch, device: torch.device) -> Batch:
+    """Copy a finished host sequence to ``device`` (on the current stream): the hidden rows that
+    hold data only, the padding's states zeroed there (its host rows are stale)."""
+    n = host.num_tokens
+    hs = torch.empty(host.hidden_states.shape, dtype=host.hidden_states.dtype, device=device)
+    hs[:n].copy_(host.hidden_states[:n], non_blocking=True)
+    hs[n:].zero_()
+    moved = {k: getattr(host, k).to(device, non_blocking=True) for k in BATCH_TENSORS if k != "hidden_states"}
+    return Batch(**moved, hidden_states=hs, sample_ids=host.sample_ids, plan_start=host.plan_start,
+                 plan_end=host.plan_end, num_tokens=n)  # fmt: skip
 
 
 class LoaderRun:
@@ -429,7 +509,7 @@ class LoaderRun:
                     return
                 host = item.finish(self.loader._refuse)
                 with torch.cuda.stream(stream):
-                    dev = host.to(device, non_blocking=True)
+                    dev = _to_device(host, device)
                     event = torch.cuda.Event()
                     event.record(stream)
                 if not self._put(self._out, (dev, event)):

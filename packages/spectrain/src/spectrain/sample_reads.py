@@ -57,7 +57,8 @@ class SampleRead(Protocol):
 @dataclass
 class ArrayRead:
     """A sample already in memory: a :class:`hsgen.store.Sample` from a source's ``get``, a
-    worker's tensors, or a fetched sample as the client mapped the server's file.
+    worker's tensors, or a fetched sample as the client mapped the server's file (or left its
+    rows in that file: ``hidden`` is then a :class:`hsgen.hidden_file.FileRows`, read with ``preadv``).
 
     With ``check_finite`` the values are checked piece by piece as they are copied (a fetched
     sample whose client skipped that pass); ``origin`` names where they came from in the refusal.
@@ -92,16 +93,27 @@ class ArrayRead:
                 f"sample {self.sample_id!r}: hidden states {tuple(self.hidden.shape)} do not match "
                 f"{self.length} tokens"
             )
-        src = self.hidden[: self.length].reshape(-1).view(hidden.dtype)
-        dst = hidden.reshape(-1)
-        step = dst.size if not self.check_finite else max(1, PIECE_BYTES // dst.itemsize)
-        for lo in range(0, dst.size, step):
-            piece = dst[lo : lo + step]
-            np.copyto(piece, src[lo : lo + step])
-            if self.check_finite and not all_finite(piece, self.dtype):  # checked while in cache
+
+        def check(piece: np.ndarray) -> None:  # while the piece is in cache
+            if not all_finite(piece, self.dtype):
                 raise SampleRefused(
                     f"sample {self.sample_id!r} from {self.origin or 'memory'}: hidden states contain NaN or Inf"
                 )
+
+        rows = self.hidden[: self.length]
+        if not isinstance(rows, np.ndarray):  # rows still in the server's file: hsgen.hidden_file.FileRows
+            try:
+                rows.read_into(hidden, piece_bytes=PIECE_BYTES, check=check if self.check_finite else None)
+            except (OSError, EOFError, ValueError) as e:
+                raise SampleRefused(f"sample {self.sample_id!r} from {self.origin or 'a file'}: {e}") from e
+        else:
+            src = rows.reshape(-1).view(hidden.dtype)
+            dst = hidden.reshape(-1)
+            step = dst.size if not self.check_finite else max(1, PIECE_BYTES // dst.itemsize)
+            for lo in range(0, dst.size, step):
+                np.copyto(dst[lo : lo + step], src[lo : lo + step])
+                if self.check_finite:
+                    check(dst[lo : lo + step])
         np.copyto(token_ids, self.token_ids)
         if self.loss_mask is None:
             loss_mask[...] = 1

@@ -133,8 +133,8 @@ def verify(store: str, as_json: bool, progress: bool | None) -> None:
     multiple=True,
     type=click.Path(file_okay=False),
     help="The servers' shared directory: also remove the files there left by killed 'hsgen generate' "
-    "runs on this store (found by their request-id prefix; other clients' files are never touched). "
-    "Repeatable.",
+    "runs on this store, or, given a training run's --save-path as STORE, by killed online runs "
+    "(found by their request-id prefix; other clients' files are never touched). Repeatable.",
 )
 def gc(store: str, as_json: bool, dry_run: bool, repair: bool, shared_dirs: tuple[str, ...]) -> None:
     """Reclaim space in STORE: orphaned temp files, uncommitted shards of dead writers, deleted shards,

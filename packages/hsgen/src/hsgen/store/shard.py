@@ -203,6 +203,7 @@ class ShardReader:
         self._meta: dict[str, dict] = {}
         self._index: np.ndarray | None = None
         self._zarr: dict[str, object] = {}
+        self._rows_at: tuple[int, int] | None | bool = False  # _back_to_back(), once computed
 
     def close(self) -> None:
         """Close the open files."""
@@ -252,13 +253,23 @@ class ShardReader:
         chunk = m["chunk_grid"]["configuration"]["chunk_shape"]
         return m["codecs"] == [C._bytes_codec()] and chunk == m["shape"]
 
-    def _read_plain(self, name: str, offset: int, length: int) -> np.ndarray:
+    def _read_plain(self, name: str, offset: int, length: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows ``[offset, offset + length)`` of a per-token array; read straight into ``out``
+        when given (C-contiguous, the array's dtype and row shape) and the array is one plain chunk."""
         m = self.meta(name)
         tail = m["shape"][1:]
         dtype = np.dtype(m["data_type"]).newbyteorder("<")
         if not self._plain_fast(name):
-            return np.asarray(self._zarr_array(name)[offset : offset + length])
-        out = np.empty([length, *tail], dtype=dtype)
+            got = np.asarray(self._zarr_array(name)[offset : offset + length])
+            if out is None:
+                return got
+            out[...] = got
+            return out
+        if out is None or out.dtype != dtype or out.shape != (length, *tail) or not out.flags.c_contiguous:
+            if out is not None:
+                out[...] = self._read_plain(name, offset, length)
+                return out
+            out = np.empty([length, *tail], dtype=dtype)
         row = out.itemsize * int(np.prod(tail, dtype=np.int64))
         key = "/".join([name, "c"] + ["0"] * len(m["shape"]))
         read_exact_into(self._fd(key), memoryview(out).cast("B"), offset * row)
@@ -280,6 +291,26 @@ class ShardReader:
             return None
         itemsize = np.dtype(m["data_type"]).itemsize
         return conf["chunk_shape"][0], itemsize * int(np.prod(m["shape"][1:], dtype=np.int64))
+
+    def _back_to_back(self) -> tuple[int, int] | None:
+        """(file offset of row 0, row bytes) when every hidden row of the shard lies in order in its
+        file (uncompressed, every inner chunk full and right after the previous, as hsgen writes
+        them), else None. Checked once per open shard, so a read needs no index lookup."""
+        if self._rows_at is False:
+            found = None
+            layout = self._hidden_layout() if self.codec == "raw" else None
+            if layout is not None:
+                inner, row_bytes = layout
+                index = self._ensure_index(inner)
+                starts = index[:, 0].astype(np.int64)
+                if (
+                    len(index)
+                    and (index[:, 1] == inner * row_bytes).all()
+                    and (np.diff(starts) == inner * row_bytes).all()
+                ):
+                    found = (int(starts[0]), row_bytes)
+            self._rows_at = found
+        return self._rows_at  # type: ignore[return-value]
 
     def _load_index(self, n_chunks: int, with_crc: bool) -> np.ndarray:
         fd = self._fd("hidden_states/c/0/0/0")
@@ -372,28 +403,33 @@ class ShardReader:
         if hidden.dtype.itemsize != STORAGE_DTYPES[self.dtype].itemsize:
             raise ValueError(f"hidden buffer dtype {hidden.dtype} does not hold {self.dtype}")
         stream = C.ChecksumStream(checksum.split(":", 1)[0]) if checksum else None
-        layout = self._hidden_layout() if self.codec == "raw" else None
         contiguous = None
-        if layout is not None and length > 0:
-            inner, row_bytes = layout
-            first, last = offset // inner, (offset + length - 1) // inner
-            spans = self._ensure_index(inner)[first : last + 1]
-            chunk = inner * row_bytes
-            if (spans[:, 1] == chunk).all() and (np.diff(spans[:, 0].astype(np.int64)) == chunk).all():
-                contiguous = int(spans[0, 0]) + (offset - first * inner) * row_bytes
+        if length > 0:
+            rows_at = self._back_to_back()
+            if rows_at is not None:
+                contiguous = rows_at[0] + offset * rows_at[1]
+            elif self.codec == "raw" and (layout := self._hidden_layout()) is not None:
+                inner, row_bytes = layout
+                first, last = offset // inner, (offset + length - 1) // inner
+                spans = self._ensure_index(inner)[first : last + 1]
+                chunk = inner * row_bytes
+                if (spans[:, 1] == chunk).all() and (np.diff(spans[:, 0].astype(np.int64)) == chunk).all():
+                    contiguous = int(spans[0, 0]) + (offset - first * inner) * row_bytes
         if contiguous is not None:
             view = memoryview(hidden).cast("B")
             fd = self._fd("hidden_states/c/0/0/0")
-            step = max(C.ChecksumStream.BLOCK, piece_bytes // C.ChecksumStream.BLOCK * C.ChecksumStream.BLOCK)
-            if stream is None:
-                step = max(step, len(view))  # nothing to check: one read
+            if stream is None:  # nothing to check: one read
+                read_exact_into(fd, view, contiguous)
             else:
+                step = max(
+                    C.ChecksumStream.BLOCK, piece_bytes // C.ChecksumStream.BLOCK * C.ChecksumStream.BLOCK
+                )
                 stream.begin(len(view))
-            for lo in range(0, len(view), step):
-                piece = view[lo : lo + step]
-                read_exact_into(fd, piece, contiguous + lo)
-                if stream is not None:
-                    stream.update(piece)
+                update = stream.update
+                for lo in range(0, len(view), step):
+                    piece = view[lo : lo + step]
+                    read_exact_into(fd, piece, contiguous + lo)
+                    update(piece)  # while the piece is in cache
             extra: list[np.ndarray] = []
         else:
             stored, tokens, mask, scale = self.read(offset, length)
@@ -406,8 +442,7 @@ class ShardReader:
                 checksum, [stored] + ([scale] if scale is not None else []) + [tokens, mask]
             )
         for name, out in (("token_ids", token_ids), ("loss_mask", loss_mask)):
-            out[...] = self._read_plain(name, offset, length)
-            extra.append(out)
+            extra.append(self._read_plain(name, offset, length, out))
         if stream is None:
             return None
         for a in extra:

@@ -34,11 +34,14 @@ class OnlineConfig:
             were consumed by this rank (explicit opt-in: it destroys the user's cache).
         cache_generated: write generated samples into ``store`` (kept for later epochs and
             runs) instead of the scratch store.
-        persist_fetched: commit fetched samples to the scratch store (a restarted run reads the
-            ones it fetched but did not train instead of fetching them again). False (only with
-            ``delete_consumed``): a fetched sample goes from the server's file straight into its
+        persist_fetched: where a fetched sample goes. None (the default): read once with
+            ``delete_consumed`` (and not ``cache_generated``), committed to the scratch store
+            otherwise. Read once: the sample goes from the server's file straight into its
             batch, one copy per byte, and is held in memory (counted in the bound) until its
-            optimizer step completes; after a crash those samples are fetched again.
+            optimizer step completes; after a crash the samples fetched but not trained are
+            fetched again. True: every fetched sample is committed to the scratch store and
+            read back from it, so a restarted run reads the ones it fetched but did not train.
+            False: read once (needs ``delete_consumed``).
         rank: this process's rank; it fetches only its own share of the plan.
         world_size: number of ranks.
         seed: shuffle seed of the epoch plan.
@@ -79,7 +82,7 @@ class OnlineConfig:
     delete_consumed: bool = False
     delete_cached: bool = False
     cache_generated: bool = False
-    persist_fetched: bool = True
+    persist_fetched: bool | None = None
     rank: int = 0
     world_size: int = 1
     seed: int = 0
@@ -145,6 +148,13 @@ class OnlineConfig:
         return [as_input(p, split=self.prompts_split, max_samples=self.max_prompts,
                          streaming=self.prompts_streaming) for p in self.prompts]  # fmt: skip
 
+    @property
+    def reads_once(self) -> bool:
+        """Whether fetched samples are read once from memory instead of committed (``persist_fetched``)."""
+        if self.persist_fetched is None:
+            return self.delete_consumed and not self.cache_generated
+        return not self.persist_fetched
+
     def validate(self) -> None:
         """Raise ``ValueError`` naming the option for settings that cannot work."""
         if not self.endpoints:
@@ -159,7 +169,7 @@ class OnlineConfig:
             raise ValueError("--prefetch-samples and --max-in-flight must be >= 1")
         if self.delete_consumed and self.cache_generated:
             raise ValueError("--delete-consumed and --cache-generated contradict each other: pick one")
-        if not self.persist_fetched and not (self.delete_consumed and not self.cache_generated):
+        if self.persist_fetched is False and not (self.delete_consumed and not self.cache_generated):
             raise ValueError(
                 "persist_fetched=false reads each fetched sample once, so it needs --delete-consumed "
                 "(and not --cache-generated): later epochs would have nothing to read"

@@ -34,6 +34,9 @@ class Fetcher:
 
     Args:
         client_factory: builds the async client (``HiddenStateClient`` from the config by default).
+        request_prefix: the default client's ``X-Request-Id`` prefix (the run's, see
+            :mod:`~spectrain.online.run_lease`).
+        heartbeat: called on every turn of the fetch loop (keeps the run's lease fresh).
         first_ids: this rank's ids in training order before any epoch is active (the header probe
             fetches the first of them, so its sample gets trained).
         open_scratch: opens the scratch store once the first fetched sample gave the header (I/O thread).
@@ -41,7 +44,8 @@ class Fetcher:
 
     def __init__(self, config: OnlineConfig, prompts: PromptSet, stores: OnlineStores, ledger: SampleLedger,
                  lander: Lander, metrics: OnlineMetrics, io: Executor, *, client_factory: Callable[[], Any] | None,
-                 first_ids: Callable[[], list[str]], open_scratch: Callable[[], None]):  # fmt: skip
+                 first_ids: Callable[[], list[str]], open_scratch: Callable[[], None],
+                 request_prefix: str | None = None, heartbeat: Callable[[], None] = lambda: None):  # fmt: skip
         self.config = config
         self.prompts = prompts
         self.stores = stores
@@ -52,6 +56,10 @@ class Fetcher:
         self.client_factory = client_factory or self._default_client
         self.first_ids = first_ids
         self.open_scratch = open_scratch
+        self.request_prefix = request_prefix
+        self.heartbeat = heartbeat
+        self.client_prefix: str | None = None
+        """The prefix of the requests the client sent (its leftovers carry it)."""
         self._rendered: dict[str, Any] = {}
         self._render_pool = ThreadPoolExecutor(1, thread_name_prefix="online-render")
         self._probe_lock: asyncio.Lock | None = None
@@ -83,8 +91,11 @@ class Fetcher:
         opts.setdefault("shared_dir", self.config.shared_dir)
         if self.config.api_key is not None:
             opts.setdefault("api_key", self.config.api_key)
-        if not self.config.persist_fetched:
-            opts.setdefault("check_finite", False)  # checked as the sample is read into its batch
+        if self.request_prefix is not None:
+            opts.setdefault("request_prefix", self.request_prefix)
+        if self.config.reads_once:  # read once into the batch, from the file, checked as it lands
+            opts.setdefault("check_finite", False)
+            opts.setdefault("rows_in_file", True)
         return HiddenStateClient(ClientConfig(**opts))
 
     def wake(self) -> None:
@@ -136,6 +147,7 @@ class Fetcher:
         tasks: set[asyncio.Task] = set()
         try:
             async with self.client_factory() as client:
+                self.client_prefix = getattr(client, "request_prefix", None)
                 from hsgen.saturate import SaturationConfig, Saturator
 
                 probe = getattr(client, "probe", None)
@@ -166,6 +178,7 @@ class Fetcher:
         assert self._wake is not None
         while not self.ledger.closed:
             self._wake.clear()
+            self.heartbeat()
             try:
                 await self._step(tasks)
             except Exception as e:  # a bug or a fatal setting: surface it in get()

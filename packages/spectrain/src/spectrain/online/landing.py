@@ -5,7 +5,8 @@ user's store with ``cache_generated``) on the I/O thread and committed with othe
 (file -> shard -> manifest, exactly as ``hsgen generate`` stores it), so the trainer reads only
 committed samples and a restarted run finds the ones it fetched but did not train. With
 ``persist_fetched`` off (only with ``delete_consumed``), the sample is instead held in memory as
-the client mapped it, read once straight into its batch, and released when its step completes.
+the client left it (its rows still in the server's file), read once straight into its batch, and
+released when its step completes.
 """
 
 from __future__ import annotations
@@ -65,20 +66,10 @@ class Lander:
                 "servers run other extraction settings than the store was built with"
             )
         size = self.stores.bytes_for(int(hs.shape[0]))
-        if not self.config.persist_fetched:
-            self._hold(sample_id, fetched, size)
+        if self.config.reads_once:
+            self.ledger.hold(sample_id, fetched, size)
             return
         await asyncio.get_running_loop().run_in_executor(self.io, self._add, sample_id, fetched, size)
-
-    def _hold(self, sample_id: str, fetched: Any, size: int) -> None:
-        ledger = self.ledger
-        with ledger.cond:
-            ledger.inflight.pop(sample_id, None)
-            ledger.held[sample_id] = (fetched, size)
-            ledger.ready[sample_id] = "memory"
-            ledger.fresh.add(sample_id)
-            self.metrics.samples_generated += 1
-            ledger.cond.notify_all()
 
     def _add(self, sample_id: str, fetched: Any, size: int) -> None:
         """Buffer one fetched sample in the writer (I/O thread); commit a shard once the buffer is full."""
@@ -150,7 +141,7 @@ class Lander:
             ledger.buffered_since = None
             ledger.cond.notify_all()
         if not cache:
-            self.retention.update_scratch_usage()
+            self.retention.update_scratch_usage(force=False)
 
     def close_writers(self) -> None:
         """Commit what is buffered and close the writers (I/O thread)."""

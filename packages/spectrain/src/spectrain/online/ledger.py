@@ -206,11 +206,29 @@ class SampleLedger:
                 self.release_held(sid)
             self.metrics.samples_skipped += len(sample_ids)
 
+    def hold(self, sample_id: str, fetched: Any, size: int) -> None:
+        """Keep a fetched sample in memory until its step completes (read once into its batch)."""
+        with self.cond:
+            self.inflight.pop(sample_id, None)
+            self.held[sample_id] = (fetched, size)
+            self.ready[sample_id] = "memory"
+            self.fresh.add(sample_id)
+            self.metrics.samples_generated += 1
+            self.metrics.held_bytes += size
+            self.metrics.held_peak_bytes = max(self.metrics.held_peak_bytes, self.metrics.held_bytes)
+            self.cond.notify_all()
+
     def release_held(self, sample_id: str | None = None) -> None:
         """Drop a sample held in memory (None: all of them); caller holds the lock."""
         for sid in list(self.held) if sample_id is None else [sample_id]:
-            if self.held.pop(sid, None) is not None and self.ready.get(sid) == "memory":
-                del self.ready[sid]
+            entry = self.held.pop(sid, None)
+            if entry is not None:
+                self.metrics.held_bytes -= entry[1]
+                close = getattr(entry[0].hidden_states, "close", None)
+                if close is not None:  # rows left in the server's file: free its pages now
+                    close()
+                if self.ready.get(sid) == "memory":
+                    del self.ready[sid]
 
     # ------------------------------------------------------------------ fetch side
 

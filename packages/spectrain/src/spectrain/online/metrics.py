@@ -24,8 +24,13 @@ class OnlineMetrics:
         scratch_bytes: bytes the scratch directory holds now.
         scratch_peak_bytes: most bytes the scratch directory ever held.
         scratch_bound_bytes: the configured bound.
+        held_bytes: bytes of fetched samples held in memory now, to be read once into their
+            batch (read-once mode; counted in the bound with the scratch store).
+        held_peak_bytes: most bytes ever held in memory at once.
         in_flight: requests in flight now.
         overshoots: times a sample was fetched past the bound because the trainer waited on it.
+        orphans_removed: files removed from the servers' shared directory that killed runs of
+            this save path left there (or this run's own, of requests cancelled at its end).
     """
 
     samples_from_cache: int = 0
@@ -40,8 +45,11 @@ class OnlineMetrics:
     scratch_bytes: int = 0
     scratch_peak_bytes: int = 0
     scratch_bound_bytes: int = 0
+    held_bytes: int = 0
+    held_peak_bytes: int = 0
     in_flight: int = 0
     overshoots: int = 0
+    orphans_removed: int = 0
 
     def as_dict(self) -> dict[str, float | int]:
         return dict(self.__dict__)

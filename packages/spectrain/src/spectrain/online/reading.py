@@ -3,14 +3,16 @@
 ``get`` returns a :class:`hsgen.store.Sample`; ``locate`` returns a
 :class:`~spectrain.sample_reads.SampleRead` that the loader's reader threads run straight into the
 packed batch: a store read (the user's store, checksum checked; the scratch store, checked unless
-this run committed the sample itself) or a read of a sample held in memory (finite values checked
-piece by piece as it is copied).
+this run committed the sample itself) or a read of a fetched sample held for it (still in the
+server's file, or mapped; finite values checked piece by piece as it is copied).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+
+import numpy as np
 
 from hsgen.store import Sample, StoreError
 from spectrain.online.ledger import SampleLedger
@@ -84,12 +86,11 @@ class SampleReader:
         try:
             if loc == "memory":
                 fetched = self._held(sample_id)
-                if not all_finite(fetched.hidden_states, fetched.dtype):
+                hidden = np.asarray(fetched.hidden_states)  # rows left in the file are read here
+                if not all_finite(hidden, fetched.dtype):
                     self.ledger.fail(sample_id, "non_finite: hidden states contain NaN or Inf")
                     return None
-                return Sample(
-                    sample_id, fetched.hidden_states, fetched.token_ids, fetched.loss_mask, fetched.dtype
-                )
+                return Sample(sample_id, hidden, fetched.token_ids, fetched.loss_mask, fetched.dtype)
             if loc == "store":
                 with stores.store_lock:
                     return stores.store.read(sample_id)  # type: ignore[union-attr]

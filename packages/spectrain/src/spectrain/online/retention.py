@@ -2,12 +2,16 @@
 
 A generated shard goes once every sample in it was consumed (or is not in this epoch's plan, or
 was skipped); a shard of the user's store only with ``delete_cached``, once its samples were
-consumed. Deletions run on the source's I/O thread, queued behind the commits.
+consumed. Deletions run on their own thread (removing a shard's files, which frees its pages,
+costs as much as writing them), beside the I/O thread that commits: the store's lock orders
+their manifest updates, and a pass deletes only shards whose samples were all consumed, which a
+shard being committed never is.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import Executor
 
 from spectrain.online.config import OnlineConfig
@@ -22,14 +26,19 @@ log = logging.getLogger(__name__)
 class Retention:
     """Deletes consumed shards and tracks the scratch directory's size (see the module docstring)."""
 
+    MEASURE_EVERY_S = 0.1
+    """Least time between two walks of the scratch directory (a walk lists every file)."""
+
     def __init__(self, config: OnlineConfig, stores: OnlineStores, ledger: SampleLedger, metrics: OnlineMetrics,
-                 io: Executor):  # fmt: skip
+                 executor: Executor):  # fmt: skip
         self.config = config
         self.stores = stores
         self.ledger = ledger
         self.metrics = metrics
-        self.io = io
+        self.executor = executor
+        """The thread deletions run on."""
         self._pending = False
+        self._measured = 0.0
 
     @property
     def active(self) -> bool:
@@ -37,12 +46,16 @@ class Retention:
         return self.config.delete_consumed or self.config.delete_cached
 
     def request(self) -> None:
-        """Queue one deletion pass on the I/O thread (at most one waits at a time)."""
+        """Queue one deletion pass (at most one waits at a time)."""
         with self.ledger.lock:
             if self._pending or self.ledger.closed:
                 return
             self._pending = True
-        self.io.submit(self._job)
+        self.executor.submit(self._job)
+
+    def run_now(self, closing: bool = False) -> None:
+        """Run a deletion pass after any queued one, and wait for it."""
+        self.executor.submit(self.delete_consumed_shards, closing).result()
 
     def _job(self) -> None:
         with self.ledger.lock:
@@ -58,7 +71,7 @@ class Retention:
 
         Samples before the position the epoch started at (a resume) count as consumed; samples
         the epoch skips count for generated shards only. ``closing`` applies it also without
-        ``delete_consumed`` (temporary scratch at the end). Runs on the I/O thread.
+        ``delete_consumed`` (temporary scratch at the end). Runs on the deletion thread.
         """
         ledger = self.ledger
         with ledger.lock:
@@ -85,7 +98,7 @@ class Retention:
                     ledger.sizes.pop(i, None)
                     if ledger.ready.get(i) == "scratch":
                         del ledger.ready[i]
-            self.update_scratch_usage()
+            self.update_scratch_usage(force=bool(deleted))
         store = self.stores.store
         if self.config.delete_cached and not closing and store is not None:
             gone: list[str] = []
@@ -103,11 +116,15 @@ class Retention:
                         del ledger.ready[i]
         ledger.wake()
 
-    def update_scratch_usage(self) -> None:
-        """Measure the scratch directory (the bound's overhead term and the peak metric)."""
+    def update_scratch_usage(self, force: bool = True) -> None:
+        """Measure the scratch directory (the bound's overhead term and the peak metric); without
+        ``force`` at most every :attr:`MEASURE_EVERY_S` (after each commit: the files committed
+        meanwhile are counted exactly in the bound, only the overhead term waits)."""
         path = self.stores.scratch_path
-        if path is None:
+        now = time.monotonic()
+        if path is None or (not force and now - self._measured < self.MEASURE_EVERY_S):
             return
+        self._measured = now
         used = dir_bytes(path)
         with self.ledger.lock:
             self.ledger.scratch_overhead = max(0, used - sum(self.ledger.sizes.values()))

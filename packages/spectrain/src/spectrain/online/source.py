@@ -9,7 +9,9 @@ It wires the units of the online data path, each in its own module:
 - :mod:`~spectrain.online.stores` (``OnlineStores``): the user's store and the scratch store;
 - :mod:`~spectrain.online.ledger` (``SampleLedger``): where each sample is, and the byte bound;
 - :mod:`~spectrain.online.reading` (``SampleReader``): the trainer's blocking reads;
-- :mod:`~spectrain.online.retention` (``Retention``): deletion after the optimizer step.
+- :mod:`~spectrain.online.retention` (``Retention``): deletion after the optimizer step;
+- :mod:`~spectrain.online.run_lease` (``RunLease``): the run's request-id prefix, and the
+  server files of killed runs found by theirs.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from spectrain.online.metrics import OnlineMetrics
 from spectrain.online.prompts import PromptSet
 from spectrain.online.reading import SampleReader
 from spectrain.online.retention import Retention
+from spectrain.online.run_lease import RunLease
 from spectrain.online.scratch import dir_bytes
 from spectrain.online.stores import OnlineStores
 from spectrain.sample_reads import SampleRead
@@ -50,6 +53,7 @@ class OnlineSource:
     """
 
     lengths_exact = False  # a prompt's length costs a rendering: the trainer samples long plans
+    locate_waits = True  # locate() waits for fetches: the loader copies each sample as soon as it is placed
 
     def __init__(
         self,
@@ -60,6 +64,7 @@ class OnlineSource:
         plan_fn: Callable[[Sequence[str], int], list[str]] | None = None,
         client_factory: Callable[[], Any] | None = None,
         inputs: dict[str, Any] | None = None,
+        run: RunLease | None = None,
     ):
         """Read the prompts, open the stores and start the fetch thread.
 
@@ -72,6 +77,8 @@ class OnlineSource:
             client_factory: builds the async client (``HiddenStateClient`` from the config by default).
             inputs: the prompts already read, by sample id (the validation source shares the
                 training source's, so ``--prompts -`` reads stdin once); default: read ``config.prompts``.
+            run: the run's lease (the validation source shares the training source's); default:
+                take one in ``<save_path>/.leases``, removing the server files of killed runs.
         """
         if not isinstance(config, OnlineConfig):
             config = OnlineConfig.from_train_config(config, rank or 0, world_size or 1)
@@ -87,6 +94,18 @@ class OnlineSource:
         self._plan_fn = plan_fn or (
             lambda ids, epoch: epoch_plan(ids, epoch, config.seed, config.rank, config.world_size)
         )
+        self._owns_run = run is None
+        self.run = run if run is not None else RunLease(config)
+        self._closed = False
+        try:
+            self._start(client_factory, inputs)
+        except BaseException:
+            if self._owns_run:
+                self.run.close(None)
+            raise
+
+    def _start(self, client_factory: Callable[[], Any] | None, inputs: dict[str, Any] | None) -> None:
+        config = self.config
         self._client_factory_arg = client_factory
         self.prompts = PromptSet(config, inputs)
         self.train_ids = self.prompts.train_ids
@@ -94,18 +113,19 @@ class OnlineSource:
         self.split_ids = self.prompts.split_ids
         self._lengths: dict[str, int] = {}
         self._plans: dict[int, list[str]] = {}
-        self._closed = False
         self.stores = OnlineStores(config, self.prompts.fingerprint)
         self._failures = FailureLog(config)
         self._consumed_log = ConsumedLog(config, f"{os.getpid()}-{int(time.time() * 1000)}")
         self.ledger = SampleLedger(config, self.stores, self.metrics, self._failures, self.prompts.source_of)
         self._io = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="online-io")
-        self.retention = Retention(config, self.stores, self.ledger, self.metrics, self._io)
+        self._deletions = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="online-delete")
+        self.retention = Retention(config, self.stores, self.ledger, self.metrics, self._deletions)
         self.lander = Lander(config, self.stores, self.ledger, self.metrics, self.retention, self._io)
         self.reader = SampleReader(self.stores, self.ledger, self.retention, self.metrics)
         self.fetcher = Fetcher(
             config, self.prompts, self.stores, self.ledger, self.lander, self.metrics, self._io,
             client_factory=client_factory, first_ids=self._first_ids, open_scratch=self._open_scratch,
+            request_prefix=self.run.client_prefix(config.split), heartbeat=self.run.heartbeat,
         )  # fmt: skip
         self.fetcher.start()
         if self.stores.header is not None:
@@ -153,13 +173,14 @@ class OnlineSource:
             leaving = ep if ep is not None and ep.epoch != epoch else None
         if leaving is not None and leaving.started and self.retention.active:
             # The trainer asks for epoch e + 1 after its last consumed() of epoch e. Finish epoch e's
-            # deletions now, on the I/O thread (after any job still queued there): run later, they
-            # would be judged against the new plan, and samples the new epoch had counted as ready
-            # could vanish after later ones filled the scratch bound.
-            self._io.submit(self.retention.delete_consumed_shards).result()
+            # deletions now (after any pass still queued): run later, they would be judged against
+            # the new plan, and samples the new epoch had counted as ready could vanish after later
+            # ones filled the scratch bound.
+            self.retention.run_now()
         with self.ledger.cond:
             if self.ledger.begin_epoch(epoch, ids):
-                self.ledger.release_held()  # read-once samples of the old epoch are not trained now
+                if leaving is not None and leaving.started:  # its untrained read-once samples: not now
+                    self.ledger.release_held()  # (planning epochs ahead keeps the header probe's sample)
                 self.stores.refresh_main()
         return list(ids)
 
@@ -205,11 +226,16 @@ class OnlineSource:
         try:
             self._io.submit(self.lander.close_writers).result()
             if not self.config.cache_generated:
-                self._io.submit(self.retention.delete_consumed_shards, True).result()
+                self.retention.run_now(closing=True)
         finally:
             self._io.shutdown(wait=True)
+            self._deletions.shutdown(wait=True)
             self._failures.close()
             self._consumed_log.close()
+            if self._owns_run:
+                self.run.close(self.fetcher.client_prefix)
+            else:
+                self.run.remove_own(self.fetcher.client_prefix)
         self._remove_scratch()
 
     def _remove_scratch(self) -> None:
@@ -277,7 +303,11 @@ class OnlineSource:
             failures_path=None,
         )
         return OnlineSource(
-            cfg, plan_fn=None, client_factory=self._client_factory_arg, inputs=self.prompts.inputs
+            cfg,
+            plan_fn=None,
+            client_factory=self._client_factory_arg,
+            inputs=self.prompts.inputs,
+            run=self.run,
         )
 
     def __enter__(self) -> OnlineSource:
@@ -290,6 +320,7 @@ class OnlineSource:
         """The counters of :class:`OnlineMetrics`, for the trainer's metrics log."""
         with self.ledger.lock:
             self.metrics.in_flight = len(self.ledger.inflight)
+            self.metrics.orphans_removed = self.run.orphans_removed
             return self.metrics.as_dict()
 
     @property

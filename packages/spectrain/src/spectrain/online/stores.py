@@ -94,7 +94,11 @@ class OnlineStores:
         scratch = open_scratch_store(path, self.header)
         self.scratch = scratch
         self.scratch_path = path
-        self.scratch_writer = scratch.writer(f"online-rank{cfg.rank}-{os.getpid()}", shard_bytes=1 << 62)
+        # no fsync: a scratch store is throwaway, a killed process's writes survive without it, and a
+        # sample torn by a power loss fails its checksum when a later run reads it
+        self.scratch_writer = scratch.writer(
+            f"online-rank{cfg.rank}-{os.getpid()}", shard_bytes=1 << 62, fsync=False
+        )
         sizes = {sid: self.bytes_for(scratch.record(sid).length) for sid in scratch.sample_ids()}
         if sizes:
             log.info(
