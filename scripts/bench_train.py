@@ -342,7 +342,7 @@ def patched_loss(kind: str | None):
     modules = [m for m in (dflash, eagle3) if hasattr(m, "vocab_loss")]
     saved = [m.vocab_loss for m in modules]
     if kind is not None:
-        fn = chunked.vocab_loss if kind == "chunked" else common.vocab_loss
+        fn = chunked.vocab_loss if kind == "chunked" else common.eager_vocab_loss
         for m in modules:
             m.vocab_loss = fn
     try:

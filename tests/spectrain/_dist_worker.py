@@ -76,3 +76,26 @@ def metrics_rank(rank: int, world: int, port: int, algorithm: str, empty: str, o
     together = sums.summary(DistInfo(rank, world, rank))
     Path(out_dir, f"metrics{rank}.json").write_text(json.dumps({"alone": alone, "together": together}))
     dist.destroy_process_group()
+
+
+def control_rank(rank: int, world: int, port: int, out_dir: str) -> None:
+    """``init_distributed`` under a default group that is not gloo (NCCL on a GPU host; here
+    gloo reporting itself as nccl): per-step decisions go over a gloo group on host tensors."""
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world),
+                       "RANK": str(rank), "LOCAL_RANK": str(rank)})  # fmt: skip
+    import torch
+    import torch.distributed as dist
+
+    from spectrain import train
+
+    dist.init_process_group("gloo")
+    real = dist.get_backend
+    dist.get_backend = lambda group=None: "nccl" if group is None else real(group)
+    info = train.init_distributed(torch.device("cpu"))
+    dist.get_backend = real
+    result = {
+        "control_backend": None if info.control is None else dist.get_backend(info.control),
+        "min_each": train._all_min_each([rank + 1, 10 - rank], info),
+    }
+    Path(out_dir, f"control{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()

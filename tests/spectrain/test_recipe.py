@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from spectrain.data import Batch
 from spectrain.export import export_draft
 from spectrain.models import DraftContext, build_draft, get_config_class
-from spectrain.models.common import dpace_weights, vocab_loss
+from spectrain.models.common import dpace_weights, eager_vocab_loss
 from spectrain.optim import OptimConfig, build_optimizers, split_for_muon
 from spectrain.verifier import VerifierHeads
 
@@ -32,15 +32,15 @@ def test_vocab_loss_soft_is_kl_and_hard_is_ce():
     th, tw = torch.randn(6, 8, generator=g), torch.randn(20, 8, generator=g)
     p = F.softmax(th @ tw.T, -1)
     logq = F.log_softmax(h @ w.T, -1)
-    soft, pred, tgt = vocab_loss(h, w, th, tw, "soft")
+    soft, pred, tgt = eager_vocab_loss(h, w, th, tw, "soft")
     torch.testing.assert_close(soft, (p * (p.log() - logq)).sum(-1))
     assert torch.equal(pred, (h @ w.T).argmax(-1)) and torch.equal(tgt, p.argmax(-1))
-    hard, _, _ = vocab_loss(h, w, th, tw, "hard")
+    hard, _, _ = eager_vocab_loss(h, w, th, tw, "hard")
     torch.testing.assert_close(hard, -logq.gather(1, p.argmax(-1, keepdim=True))[:, 0])
     hard.sum().backward()
     assert h.grad is not None and h.grad.abs().sum() > 0
     with pytest.raises(ValueError, match="target_mode"):
-        vocab_loss(h, w, th, tw, "argmax")
+        eager_vocab_loss(h, w, th, tw, "argmax")
 
 
 @settings(max_examples=40, deadline=None)

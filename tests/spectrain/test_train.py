@@ -250,3 +250,18 @@ def test_metric_reduction_with_a_rank_without_loss_tokens(tmp_path, algorithm, e
     r1 = json.loads((tmp_path / "metrics1.json").read_text())
     assert r0["together"] == r1["together"] == r0["alone"]
     assert len(r0["alone"]["acc"]) == 3 and r0["alone"]["tau"] >= 1.0 and r0["alone"]["loss"] > 0
+
+
+def test_per_step_decisions_use_a_host_group_beside_nccl(tmp_path):
+    """Where the default group is not gloo (NCCL), the loop's per-step minimum goes over a gloo
+    group on host tensors, so deciding whether to go on never waits for the device."""
+    import torch.multiprocessing as mp
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _dist_worker import control_rank
+
+    mp.spawn(control_rank, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    for rank in (0, 1):
+        r = json.loads((tmp_path / f"control{rank}.json").read_text())
+        assert r["control_backend"] == "gloo"
+        assert r["min_each"] == [1, 9]

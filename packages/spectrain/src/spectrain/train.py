@@ -266,6 +266,8 @@ class DistInfo:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    control: Any = None
+    """The process group of host-side decisions (gloo; None: the default group is gloo already)."""
 
     @property
     def enabled(self) -> bool:
@@ -283,7 +285,10 @@ def init_distributed(device: torch.device) -> DistInfo:
         return DistInfo()
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
+    # per-step decisions (out of data? a stop signal?) go over gloo on host tensors: an NCCL
+    # collective read back with .tolist() would wait for every queued kernel each step
+    control = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+    return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")), control)
 
 
 def resolve_device(cfg: TrainConfig) -> torch.device:
@@ -377,16 +382,16 @@ def _gather(obj: Any, info: DistInfo) -> list[Any]:
     return out
 
 
-def _all_min(value: int, info: DistInfo, device: torch.device) -> int:
-    return _all_min_each([value], info, device)[0]
+def _all_min(value: int, info: DistInfo) -> int:
+    return _all_min_each([value], info)[0]
 
 
-def _all_min_each(values: list[int], info: DistInfo, device: torch.device) -> list[int]:
-    """Element-wise minimum over ranks, in one collective."""
+def _all_min_each(values: list[int], info: DistInfo) -> list[int]:
+    """Element-wise minimum over ranks, in one host-side collective (no device sync)."""
     if not info.enabled:
         return list(values)
-    t = torch.tensor(values, dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    t = torch.tensor(values, dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=info.control)
     return [int(x) for x in t.tolist()]
 
 
@@ -772,7 +777,7 @@ class Trainer:
                 if e == 0:
                     log.warning("source gives no sample lengths; LR schedule assumes one sample per sequence")
                 seqs = len(plan)
-            total += _all_min(seqs, self.info, self.device) // cfg.grad_accum or 1
+            total += _all_min(seqs, self.info) // cfg.grad_accum or 1
         return max(1, total)
 
     def _restore(self, state: dict[str, Any]) -> None:
@@ -882,9 +887,7 @@ class Trainer:
                     full = len(micro) == cfg.grad_accum or (not self.info.enabled and len(micro) > 0)
                     # one collective decides for all ranks: a rank out of data ends the epoch, a
                     # signal on any rank stops every rank at this same step
-                    go_on, calm = _all_min_each(
-                        [int(full), int(signals.signum is None)], self.info, self.device
-                    )
+                    go_on, calm = _all_min_each([int(full), int(signals.signum is None)], self.info)
                     if not calm:
                         stop = True
                         summary["stopped_by"] = signal.Signals(signals.signum or signal.SIGTERM).name
@@ -1044,7 +1047,7 @@ class Trainer:
         while True:
             limit = self.cfg.val_max_sequences is not None and n >= self.cfg.val_max_sequences
             b = None if limit else next(batches, None)
-            if _all_min(int(b is not None), self.info, self.device) == 0:
+            if _all_min(int(b is not None), self.info) == 0:
                 break
             b = b.to(self.device, non_blocking=True)
             with self._autocast():

@@ -34,7 +34,7 @@ def draft_to_target_ids(d2t: torch.Tensor) -> torch.Tensor:
 TARGET_MODES = ("soft", "hard")
 
 
-def vocab_loss(
+def eager_vocab_loss(
     hidden: torch.Tensor,
     head_weight: torch.Tensor,
     target_hidden: torch.Tensor | None = None,

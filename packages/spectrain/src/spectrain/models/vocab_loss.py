@@ -1,6 +1,6 @@
 """The vocabulary loss of both drafts, chunked over rows so ``[rows, vocabulary]`` never exists whole.
 
-:func:`vocab_loss` has the contract of ``spectrain.models.common.vocab_loss`` (the eager
+:func:`vocab_loss` has the contract of ``spectrain.models.common.eager_vocab_loss`` (the eager
 reference): draft rows ``[N, H]`` and head ``[V, H]``, the verifier's side over the same ``V``
 tokens, a mode (``soft``: KL(verifier || draft); ``hard``: cross-entropy on the verifier's
 argmax), and returns per-row losses ``[N]``, the draft's argmax ``[N]`` and the verifier's argmax
