@@ -306,13 +306,22 @@ def test_resume_refetches_deleted_and_reads_prefetched(
     cfg = make_config(
         server, prompts_file, tiny_model_dir, tmp_path, delete_consumed=True, persist_fetched=True
     )
+    plan, stats = _resume_after_losing_steps(cfg, rendered)
+    assert stats["samples_generated"] + stats["samples_from_scratch"] == len(plan) - 6
+    assert stats["samples_generated"] < len(plan) - 6  # what was prefetched beyond 12 is read, not refetched
+
+
+def _resume_after_losing_steps(cfg, rendered) -> tuple[list[str], dict]:
+    """Train positions 0..11 of epoch 0, let the whole window ahead land, close (as a crash after
+    the checkpoint at position 6 would: steps 6..11 are lost), resume from 6 and check every
+    sample read then. Returns the plan and the resumed source's stats."""
     src = OnlineSource(cfg)
-    plan, _, _ = drive(src, 0, stop=12)  # consumed 0..11
+    plan, _, _ = drive(src, 0, stop=12)
     deadline = time.monotonic() + 60
     while src.stats()["samples_generated"] < len(plan) and time.monotonic() < deadline:
         time.sleep(0.05)  # the trainer can outrun the fetcher: let the window ahead land first
     assert src.stats()["samples_generated"] == len(plan)
-    src.close()  # the checkpoint was saved at position 6: steps 6..11 are lost
+    src.close()
     resumed = OnlineSource(cfg)
     try:
         _, got, _ = drive(resumed, 0, start=6)
@@ -322,8 +331,7 @@ def test_resume_refetches_deleted_and_reads_prefetched(
     assert sorted(got) == sorted(plan[6:])
     for sid, sample in got.items():
         check_sample(sample, rendered[0][sid])
-    assert stats["samples_generated"] + stats["samples_from_scratch"] == len(plan) - 6
-    assert stats["samples_generated"] < len(plan) - 6  # what was prefetched beyond 12 is read, not refetched
+    return plan, stats
 
 
 def test_ranks_fetch_only_their_share(server, prompts_file, tiny_model_dir, tmp_path, rendered):
@@ -556,20 +564,5 @@ def test_read_once_resume_fetches_again_what_was_fetched_but_not_trained(
     server, prompts_file, tiny_model_dir, tmp_path, rendered
 ):
     cfg = make_config(server, prompts_file, tiny_model_dir, tmp_path, delete_consumed=True)
-    src = OnlineSource(cfg)
-    plan, _, _ = drive(src, 0, stop=12)  # consumed 0..11; the window beyond is held in memory
-    deadline = time.monotonic() + 60
-    while src.stats()["samples_generated"] < len(plan) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert src.stats()["samples_generated"] == len(plan)
-    src.close()  # a crash after the checkpoint at position 6: what it held is gone
-    resumed = OnlineSource(cfg)
-    try:
-        _, got, _ = drive(resumed, 0, start=6)
-        stats = resumed.stats()
-    finally:
-        resumed.close()
-    assert sorted(got) == sorted(plan[6:])
-    for sid, sample in got.items():
-        check_sample(sample, rendered[0][sid])
+    plan, stats = _resume_after_losing_steps(cfg, rendered)
     assert stats["samples_generated"] == len(plan) - 6 and stats["samples_from_scratch"] == 0
