@@ -38,6 +38,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from shm import scratch_root  # scripts/shm.py
+
 log = logging.getLogger("bench_loader")
 
 LAYERS = (2, 18, 33, 36)
@@ -181,7 +183,7 @@ def bench_loader(
     tokens = tokens or (
         48_000 if quick else 96_000
     )  # quick: still ~30 samples, so a pass's end does not dominate
-    base = directory or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
+    base = directory or scratch_root(3 * tokens * 4 * 4096 * 2)
     with tempfile.TemporaryDirectory(prefix="bench-loader-", dir=base) as tmp:
         path = Path(tmp) / "store"
         t0 = time.perf_counter()

@@ -44,6 +44,8 @@ import threading
 import time
 from pathlib import Path
 
+from shm import scratch_root  # scripts/shm.py
+
 log = logging.getLogger("bench_online")
 
 
@@ -68,7 +70,10 @@ def main() -> None:
                     help="tiny: the 64-wide server against a paced trainer; realistic: reference byte rates")  # fmt: skip
     ap.add_argument("--threads", type=int, default=2, help="realistic: loader read threads")
     ap.add_argument("--repeats", type=int, default=None, help="realistic: interleaved repeats (default 3)")
+    ap.add_argument("--tmp-dir", default=None,
+                    help="where the files go (default /dev/shm when it has 4 GB free, else the system temp dir)")  # fmt: skip
     args = ap.parse_args()
+    args.tmp_dir = args.tmp_dir or scratch_root(4e9)  # scripts/shm.py
     if args.quick:
         args.prompts = min(args.prompts, 400)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
@@ -80,7 +85,8 @@ def main() -> None:
     if args.mode in ("all", "realistic"):
         from online_realistic import realistic_bench  # scripts/online_realistic.py
 
-        result.update(realistic_bench(quick=args.quick, threads=args.threads, repeats=args.repeats))
+        result.update(realistic_bench(quick=args.quick, threads=args.threads, repeats=args.repeats,
+                                      tmp_dir=args.tmp_dir))  # fmt: skip
     print(json.dumps(result))
 
 
@@ -99,7 +105,7 @@ def tiny_bench(args) -> dict:
     consumption = args.seq_len / args.step_s
     capacity = f"tokens_per_s={consumption * args.headroom:.0f},max_seqs={args.max_seqs}"
     bound = int(args.scratch_mb * (1 << 20))
-    with tempfile.TemporaryDirectory(prefix="bench-online-", dir="/dev/shm") as tmp_name:
+    with tempfile.TemporaryDirectory(prefix="bench-online-", dir=args.tmp_dir) as tmp_name:
         tmp = Path(tmp_name)
         lines = Path(sample_chats_path()).read_text().splitlines()[: args.prompts]
         (tmp / "p.jsonl").write_text("\n".join(lines) + "\n")

@@ -241,7 +241,9 @@ def online_pass(url: str, shared: Path, prompts: Path, model: Path, work: Path, 
             "waits": waits, "elapsed": elapsed, "stats": stats}  # fmt: skip
 
 
-def realistic_bench(*, quick: bool, threads: int = 2, repeats: int | None = None) -> dict:
+def realistic_bench(
+    *, quick: bool, threads: int = 2, repeats: int | None = None, tmp_dir: str = "/dev/shm"
+) -> dict:
     """Run the realistic mode (see ``bench_online.py``); returns its keys."""
     from hsgen.tiny import ensure_tiny_model
     from spectrain.loader import BufferPool
@@ -251,7 +253,7 @@ def realistic_bench(*, quick: bool, threads: int = 2, repeats: int | None = None
     tokens, copies, scratch_copies = (32_000, 6, 2) if quick else (64_000, 8, 3)
     model = ensure_tiny_model()
     bound = 6 * SEQ * len(LAYERS) * HIDDEN * 2  # six packed sequences of read-ahead
-    with tempfile.TemporaryDirectory(prefix="bench-online-real-", dir="/dev/shm") as tmp_name:
+    with tempfile.TemporaryDirectory(prefix="bench-online-real-", dir=tmp_dir) as tmp_name:
         tmp = Path(tmp_name)
         shared = tmp / "hs"
         shared.mkdir()

@@ -21,9 +21,11 @@ mkdir -p "$CARRY/whl"
 cp -r "$PEER" "$CARRY/peer-bench"
 rm -rf "$CARRY/peer-bench/results" "$CARRY/peer-bench/__pycache__"
 [ -n "$(ls "$CARRY"/peer-bench/whl/*.whl 2>/dev/null)" ] || bash "$CARRY/peer-bench/fetch_wheels.sh" "$CARRY/peer-bench/whl"
-# ours: hsgen's store needs zarr (and numcodecs, donfig, google-crc32c); everything else is in the image
+# ours: hsgen's store needs zarr (and numcodecs, donfig, google-crc32c), its client tenacity; the image
+# (device/KINDS.md, read 2026-11-17) has every other runtime dependency: aiohttp, xxhash, ml-dtypes, click, ...
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-  -d "$CARRY/whl" zarr==3.1.6 numcodecs==0.16.6 donfig==0.8.1.post1 google-crc32c==1.9.0
+  -d "$CARRY/whl" zarr==3.1.6 numcodecs==0.16.6 donfig==0.8.1.post1 google-crc32c==1.9.0 \
+  tenacity==9.2.1
 du -sh "$CARRY" "$CARRY"/peer-bench/whl "$CARRY"/whl
 ls "$CARRY/whl" "$CARRY/peer-bench/whl"

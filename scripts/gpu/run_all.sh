@@ -13,6 +13,8 @@
 #      -> step, so the loader's cost shows in tokens/s and data_wait_fraction)
 #   4. an `hsgen serve --device cuda` smoke: the tiny model served on the GPU, `hsgen generate`
 #      of 8 chats into a store, `hsgen verify`
+#   5. with the time left (not at the tiny shape): bench_loader.py and bench_online.py's realistic
+#      mode, 4 reader threads, on the GPU host's cores (issue 14's per-process ceiling)
 #
 # Everything lands in $OUT (default ./gpu-results): summary.json (one JSON object: our figures,
 # the peer's, the ratios), run_all.log, and logs.tar.gz (every part's logs and JSON).
@@ -42,7 +44,7 @@ package() {
 }
 trap package EXIT
 
-# 0. our dependencies the image lacks (zarr, numcodecs, donfig, google-crc32c), then our sources
+# 0. our dependencies the image lacks (zarr, numcodecs, donfig, google-crc32c, tenacity), then our sources
 SITE=$WORK/site
 if ls "$CARRY"/whl/*.whl >/dev/null 2>&1; then
   log "installing $(ls "$CARRY"/whl/*.whl | wc -l) carried wheels into $SITE"
@@ -56,6 +58,8 @@ export PYTHONUNBUFFERED=1
 "cuda", torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no gpu")'
   nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,power.limit --format=csv 2>&1 | head -3
   "$PY" -c 'import zarr, hsgen, spectrain; print("zarr", zarr.__version__, hsgen.__file__, spectrain.__file__)'
+  # every module the four parts import, so a missing wheel shows here in one line, not as four failures
+  "$PY" -c 'import hsgen.cli, hsgen.client, hsgen.serve, spectrain.cli, spectrain.train; print("imports ok")'
 } > "$WORK/logs/env.txt" 2>&1
 cat "$WORK/logs/env.txt"
 
@@ -65,11 +69,11 @@ if [ "$TINY" = 1 ]; then TINY_FLAG=(--tiny); PEER_DEFAULT="--tiny --loss-impl ea
 # 1. ours, eager then compiled (bounds 90 + 140 s)
 COMPILE_BACKEND=inductor
 if [ "$TINY" = 1 ]; then COMPILE_BACKEND=${COMPILE_BACKEND_TINY:-aot_eager}; fi
-log "1/4 bench_train.py at the reference shape (eager)"
+log "1/5 bench_train.py at the reference shape (eager)"
 timeout -k 10 "${OURS_TIMEOUT:-90}" "$PY" scripts/bench_train.py --device "$DEVICE" --no-loader --sync-census \
   --compile off "${TINY_FLAG[@]}" > "$WORK/logs/ours.json" 2> "$WORK/logs/ours.log"
 log "bench_train rc=$?: $(tail -c 400 "$WORK/logs/ours.json")"
-log "1/4 bench_train.py at the reference shape (torch.compile, $COMPILE_BACKEND)"
+log "1/5 bench_train.py at the reference shape (torch.compile, $COMPILE_BACKEND)"
 timeout -k 10 "${OURS_COMPILED_TIMEOUT:-140}" "$PY" scripts/bench_train.py --device "$DEVICE" --no-loader \
   --sync-census --compile on --compile-backend "$COMPILE_BACKEND" --adamw-only --steps 5 "${TINY_FLAG[@]}" \
   > "$WORK/logs/ours-compiled.json" 2> "$WORK/logs/ours-compiled.log"
@@ -78,17 +82,17 @@ log "bench_train --compile on rc=$?: $(tail -c 400 "$WORK/logs/ours-compiled.jso
 # 2. the peer, AdamW (its headline; its Muon figures are in shared/peer-bench/README.md) (bounds 110 + 80 s,
 #    install ~20 s)
 if [ -x "$CARRY/peer-bench/run.sh" ] || [ -f "$CARRY/peer-bench/run.sh" ]; then
-  log "2/4 the peer's step (speculators)"
+  log "2/5 the peer's step (speculators)"
   RESULTS="$WORK/logs/peer" PEER_SITE="$WORK/peer-site" PYTHON="$PY" BENCH_ARGS="${PEER_ARGS:-$PEER_DEFAULT}" \
     DFLASH_TIMEOUT="${PEER_DFLASH_TIMEOUT:-110}" EAGLE3_TIMEOUT="${PEER_EAGLE3_TIMEOUT:-80}" \
     timeout -k 10 210 bash "$CARRY/peer-bench/run.sh" > "$WORK/logs/peer-run.log" 2>&1
   log "peer rc=$?: $(tail -n 3 "$WORK/logs/peer-run.log")"
 else
-  log "2/4 skipped: $CARRY/peer-bench missing (run scripts/gpu/prepare.sh)"
+  log "2/5 skipped: $CARRY/peer-bench missing (run scripts/gpu/prepare.sh)"
 fi
 
 # 3. spectrain train on a synthetic store at the reference shape (bounds 30 + 65 s)
-log "3/4 spectrain train on a synthetic store"
+log "3/5 spectrain train on a synthetic store"
 if [ "$TINY" = 1 ]; then
   REF_ARGS=(--tiny --samples 12 --tokens 256); TRAIN_ARGS=(--block-size 4 --max-anchors 16 --num-layers 1
     --total-seq-len 512 --max-steps 4)
@@ -105,7 +109,25 @@ log "train rc=$?"
 cp "$WORK/train/metrics.jsonl" "$WORK/logs/train-metrics.jsonl" 2>/dev/null
 
 # 4. hsgen serve on the device (bound 35 s)
-log "4/4 hsgen serve --device $DEVICE smoke"
+log "4/5 hsgen serve --device $DEVICE smoke"
 timeout -k 5 35 bash scripts/gpu/serve_smoke.sh "$WORK/serve" "$DEVICE" > "$WORK/logs/serve.json" \
   2> "$WORK/logs/serve.log"
 log "serve smoke rc=$?: $(tail -c 300 "$WORK/logs/serve.json")"
+
+# 5. the data path on the GPU host (issue 14: the online ceiling per training process must exceed
+#    1.8 GB/s there), in whatever time the bounds above left unused; not at the tiny shape
+left=$(( 560 - ($(date +%s) - T0) ))
+if [ "$TINY" = 1 ]; then
+  log "5/5 data path skipped at the tiny shape"
+elif [ "$left" -lt 60 ]; then
+  log "5/5 data path skipped: ${left}s left"
+else
+  log "5/5 bench_loader.py and bench_online.py --mode realistic, --threads 4 (${left}s left)"
+  timeout -k 5 $(( left / 4 )) "$PY" scripts/bench_loader.py --quick --threads 4 \
+    > "$WORK/logs/loader.json" 2> "$WORK/logs/loader.log"
+  log "bench_loader rc=$?: $(tail -c 300 "$WORK/logs/loader.json")"
+  left=$(( 560 - ($(date +%s) - T0) ))
+  timeout -k 5 $(( left > 10 ? left - 5 : 5 )) "$PY" scripts/bench_online.py --quick --mode realistic --threads 4 \
+    > "$WORK/logs/online.json" 2> "$WORK/logs/online.log"
+  log "bench_online rc=$?: $(tail -c 300 "$WORK/logs/online.json")"
+fi

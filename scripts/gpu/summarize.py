@@ -6,8 +6,9 @@
 Reads ``WORKDIR/logs``: ``ours.json`` and ``ours-compiled.json`` (bench_train.py's last line,
 eager and ``--compile on``), ``peer/results.jsonl`` (the peer's bench, one object per model),
 ``train-metrics.jsonl`` (spectrain train's per-step records; the first two steps are warm-up and
-not counted) and ``serve.json``. Missing parts are null; the ratios are ours / the peer's from the
-same run, and compiled / eager for ``*_compile_speedup``.
+not counted), ``serve.json``, ``loader.json`` and ``online.json`` (the data path benchmarks). Missing
+parts are null; the ratios are ours / the peer's from the same run, and compiled / eager for
+``*_compile_speedup``.
 """
 
 from __future__ import annotations
@@ -71,6 +72,14 @@ def summarize(work: Path) -> dict:
         if timed else None,
     }  # fmt: skip
     out["serve"] = _last_json(logs / "serve.json")
+    loader = _last_json(logs / "loader.json") or {}
+    online = _last_json(logs / "online.json") or {}
+    out["data_path"] = {
+        **{k: loader.get(k) for k in ("loader_gbps", "loader_ratio", "raw_gbps")},
+        **{
+            k: online.get(k) for k in ("online_gbps", "online_ratio", "online_raw_gbps", "real_wait_fraction")
+        },
+    }
     return out
 
 

@@ -36,6 +36,8 @@ def test_summarize_reads_every_part(tmp_path):
         for i, (t, w) in enumerate([(1.0, 0.9), (2.0, 0.8), (50000.0, 0.1), (52000.0, 0.2), (51000.0, 0.3)])
     ]
     (logs / "train-metrics.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    (logs / "online.json").write_text(json.dumps({"online_gbps": 9.1, "online_ratio": 0.85, "online_raw_gbps": 10.7,
+                                                  "real_wait_fraction": 0.01, "other": 1}) + "\n")  # fmt: skip
     out = subprocess.run([sys.executable, str(GPU / "summarize.py"), str(tmp_path)], capture_output=True, text=True,
                          check=True)  # fmt: skip
     s = json.loads(out.stdout)
@@ -48,6 +50,8 @@ def test_summarize_reads_every_part(tmp_path):
     assert s["eagle3_compile_speedup"] is None
     assert s["train"] == {"steps": 5, "tokens_per_s_median": 51000.0, "data_wait_fraction_median": 0.2}
     assert s["serve"] is None
+    assert s["data_path"] == {"loader_gbps": None, "loader_ratio": None, "raw_gbps": None, "online_gbps": 9.1,
+                              "online_ratio": 0.85, "online_raw_gbps": 10.7, "real_wait_fraction": 0.01}  # fmt: skip
 
 
 @pytest.mark.slow
@@ -80,3 +84,4 @@ def test_run_all_at_a_tiny_shape_on_cpu(tmp_path):
     assert s["peer_dflash_tokens_per_s"] is None
     assert s["train"]["steps"] == 4 and s["train"]["tokens_per_s_median"] > 0
     assert s["serve"]["verify"]["ok"] and s["serve"]["generate"]["stored"] == 8
+    assert set(s["data_path"].values()) == {None}  # part 5 is skipped at the tiny shape
