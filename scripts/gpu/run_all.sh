@@ -58,10 +58,15 @@ export PYTHONUNBUFFERED=1
 "cuda", torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no gpu")'
   nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,power.limit --format=csv 2>&1 | head -3
   "$PY" -c 'import zarr, hsgen, spectrain; print("zarr", zarr.__version__, hsgen.__file__, spectrain.__file__)'
-  # every module the four parts import, so a missing wheel shows here in one line, not as four failures
-  "$PY" -c 'import hsgen.cli, hsgen.client, hsgen.serve, spectrain.cli, spectrain.train; print("imports ok")'
 } > "$WORK/logs/env.txt" 2>&1
 cat "$WORK/logs/env.txt"
+# every module the parts import: a missing wheel ends the run here, in seconds, leaving device time
+# for a rerun, instead of failing every part
+if ! "$PY" -c 'import hsgen.cli, hsgen.client, hsgen.serve, spectrain.cli, spectrain.train' > "$WORK/logs/imports.txt" 2>&1; then
+  log "imports failed, stopping: $(tail -n 1 "$WORK/logs/imports.txt")"
+  exit 3
+fi
+log "imports ok"
 
 TINY_FLAG=(); PEER_DEFAULT="--loss-impl eager --optimizers adamw"
 if [ "$TINY" = 1 ]; then TINY_FLAG=(--tiny); PEER_DEFAULT="--tiny --loss-impl eager --optimizers adamw"; fi

@@ -85,3 +85,17 @@ def test_run_all_at_a_tiny_shape_on_cpu(tmp_path):
     assert s["train"]["steps"] == 4 and s["train"]["tokens_per_s_median"] > 0
     assert s["serve"]["verify"]["ok"] and s["serve"]["generate"]["stored"] == 8
     assert set(s["data_path"].values()) == {None}  # part 5 is skipped at the tiny shape
+
+
+def test_run_all_stops_at_once_when_an_import_fails(tmp_path):
+    """A missing wheel on the GPU image ends the run in seconds (device time left for a rerun)."""
+    python = tmp_path / "python-without-site"
+    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" -S "$@"\n')  # no site-packages: no click, no zarr
+    python.chmod(0o755)
+    env = {**os.environ, "TINY": "1", "DEVICE": "cpu", "PYTHON": str(python), "OUT": str(tmp_path / "out"),
+           "WORK": str(tmp_path / "work"), "CARRY": str(tmp_path / "no-carry")}  # fmt: skip
+    r = subprocess.run(["bash", str(GPU / "run_all.sh")], env=env, timeout=60, capture_output=True, text=True)
+    assert r.returncode == 3
+    log = (tmp_path / "out" / "run_all.log").read_text()
+    assert "imports failed, stopping: ModuleNotFoundError" in log and "1/5" not in log
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["ours"] is None
