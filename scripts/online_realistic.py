@@ -16,9 +16,9 @@ import multiprocessing
 import os
 import statistics
 import tempfile
-import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -180,17 +180,17 @@ class RawFiles:
                 os.close(fd)
 
     def read_threads(self, threads: int, copies: int = 1) -> None:
+        """:meth:`read` of every span, split across ``threads`` threads, each into its own buffer; a
+        thread's error is raised here (a thread that died would make the rate count bytes never read)."""
         if threads <= 1:
             return self.read(copies=copies)
+        while len(self.buffers) < threads:
+            self.buffers.append(self._buffer(len(self.buffers[0])))
         k = -(-len(self.spans) // threads)
-        ts = [
-            threading.Thread(target=self.read, args=(slice(i * k, (i + 1) * k), i, copies))
-            for i in range(threads)
-        ]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
+        with ThreadPoolExecutor(threads) as pool:
+            jobs = [pool.submit(self.read, slice(i * k, (i + 1) * k), i, copies) for i in range(threads)]
+        for job in jobs:
+            job.result()
 
 
 def online_pass(url: str, shared: Path, prompts: Path, model: Path, work: Path, *, persist: bool | None, threads: int,

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The side-by-side GPU run of issue 12, one script, about 6-7 minutes on an H200 (each part has a
-# time bound; the bounds sum to 9.5 minutes, under the device tool's 10). Needs no internet: run
+# The side-by-side GPU run of issue 12, one script, about 8 minutes on an H200 (each part has a
+# time bound; all of them end by 9.5 minutes, under the device tool's 10). Needs no internet: run
 # scripts/gpu/prepare.sh first on a machine with PyPI and carry .gpu-carry/ along (see
 # docs/benchmarks.md for the device call).
 #
@@ -19,7 +19,9 @@
 # Everything lands in $OUT (default ./gpu-results): summary.json (one JSON object: our figures,
 # the peer's, the ratios), run_all.log, and logs.tar.gz (every part's logs and JSON).
 # TINY=1 DEVICE=cpu runs the same parts at a tiny shape on CPU (tests; the peer is skipped when
-# .gpu-carry/peer-bench is absent).
+# .gpu-carry/peer-bench is absent). PARTS picks parts for a rerun of the ones that failed (default
+# "eager compiled peer train serve data"; e.g. PARTS="peer data"): a rerun must fit in the
+# session's device time, which a whole run (~8 minutes) does not.
 set -u
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
@@ -29,6 +31,8 @@ PY=${PYTHON:-python3}
 DEVICE=${DEVICE:-cuda}
 TINY=${TINY:-0}
 CARRY=${CARRY:-$ROOT/.gpu-carry}
+PARTS=" ${PARTS:-eager compiled peer train serve data} "
+want() { [[ "$PARTS" == *" $1 "* ]]; }
 mkdir -p "$OUT" "$WORK/logs"
 exec > >(tee "$OUT/run_all.log") 2>&1
 T0=$(date +%s)
@@ -74,19 +78,25 @@ if [ "$TINY" = 1 ]; then TINY_FLAG=(--tiny); PEER_DEFAULT="--tiny --loss-impl ea
 # 1. ours, eager then compiled (bounds 90 + 140 s)
 COMPILE_BACKEND=inductor
 if [ "$TINY" = 1 ]; then COMPILE_BACKEND=${COMPILE_BACKEND_TINY:-aot_eager}; fi
-log "1/5 bench_train.py at the reference shape (eager)"
-timeout -k 10 "${OURS_TIMEOUT:-90}" "$PY" scripts/bench_train.py --device "$DEVICE" --no-loader --sync-census \
-  --compile off "${TINY_FLAG[@]}" > "$WORK/logs/ours.json" 2> "$WORK/logs/ours.log"
-log "bench_train rc=$?: $(tail -c 400 "$WORK/logs/ours.json")"
-log "1/5 bench_train.py at the reference shape (torch.compile, $COMPILE_BACKEND)"
-timeout -k 10 "${OURS_COMPILED_TIMEOUT:-140}" "$PY" scripts/bench_train.py --device "$DEVICE" --no-loader \
-  --sync-census --compile on --compile-backend "$COMPILE_BACKEND" --adamw-only --steps 5 "${TINY_FLAG[@]}" \
-  > "$WORK/logs/ours-compiled.json" 2> "$WORK/logs/ours-compiled.log"
-log "bench_train --compile on rc=$?: $(tail -c 400 "$WORK/logs/ours-compiled.json")"
+if want eager; then
+  log "1/5 bench_train.py at the reference shape (eager)"
+  timeout -k 10 "${OURS_TIMEOUT:-90}" "$PY" scripts/bench_train.py --device "$DEVICE" --no-loader --sync-census \
+    --compile off "${TINY_FLAG[@]}" > "$WORK/logs/ours.json" 2> "$WORK/logs/ours.log"
+  log "bench_train rc=$?: $(tail -c 400 "$WORK/logs/ours.json")"
+fi
+if want compiled; then
+  log "1/5 bench_train.py at the reference shape (torch.compile, $COMPILE_BACKEND)"
+  timeout -k 10 "${OURS_COMPILED_TIMEOUT:-140}" "$PY" scripts/bench_train.py --device "$DEVICE" --no-loader \
+    --sync-census --compile on --compile-backend "$COMPILE_BACKEND" --adamw-only --steps 5 "${TINY_FLAG[@]}" \
+    > "$WORK/logs/ours-compiled.json" 2> "$WORK/logs/ours-compiled.log"
+  log "bench_train --compile on rc=$?: $(tail -c 400 "$WORK/logs/ours-compiled.json")"
+fi
 
 # 2. the peer, AdamW (its headline; its Muon figures are in shared/peer-bench/README.md) (bounds 110 + 80 s,
 #    install ~20 s)
-if [ -x "$CARRY/peer-bench/run.sh" ] || [ -f "$CARRY/peer-bench/run.sh" ]; then
+if ! want peer; then
+  :
+elif [ -f "$CARRY/peer-bench/run.sh" ]; then
   log "2/5 the peer's step (speculators)"
   RESULTS="$WORK/logs/peer" PEER_SITE="$WORK/peer-site" PYTHON="$PY" BENCH_ARGS="${PEER_ARGS:-$PEER_DEFAULT}" \
     DFLASH_TIMEOUT="${PEER_DFLASH_TIMEOUT:-110}" EAGLE3_TIMEOUT="${PEER_EAGLE3_TIMEOUT:-80}" \
@@ -97,42 +107,49 @@ else
 fi
 
 # 3. spectrain train on a synthetic store at the reference shape (bounds 30 + 65 s)
-log "3/5 spectrain train on a synthetic store"
-if [ "$TINY" = 1 ]; then
-  REF_ARGS=(--tiny --samples 12 --tokens 256); TRAIN_ARGS=(--block-size 4 --max-anchors 16 --num-layers 1
-    --total-seq-len 512 --max-steps 4)
-else
-  REF_ARGS=(--samples 40 --tokens 2048); TRAIN_ARGS=(--max-steps 10)
+if want train; then
+  log "3/5 spectrain train on a synthetic store"
+  if [ "$TINY" = 1 ]; then
+    REF_ARGS=(--tiny --samples 12 --tokens 256); TRAIN_ARGS=(--block-size 4 --max-anchors 16 --num-layers 1
+      --total-seq-len 512 --max-steps 4)
+  else
+    REF_ARGS=(--samples 40 --tokens 2048); TRAIN_ARGS=(--max-steps 10)
+  fi
+  timeout -k 5 30 "$PY" scripts/gpu/synthetic_reference.py "$WORK/ref" "${REF_ARGS[@]}" \
+    > "$WORK/logs/reference.json" 2> "$WORK/logs/reference.log"
+  log "synthetic store rc=$?: $(cat "$WORK/logs/reference.json")"
+  timeout -k 10 65 "$PY" -m spectrain.cli train --store "$WORK/ref/store" --verifier "$WORK/ref/verifier" \
+    --speculator-type dflash "${TRAIN_ARGS[@]}" --log-every 1 --save-every 0 --val-fraction 0 --device "$DEVICE" \
+    --save-path "$WORK/train" > "$WORK/logs/train.json" 2> "$WORK/logs/train.log"
+  log "train rc=$?"
+  cp "$WORK/train/metrics.jsonl" "$WORK/logs/train-metrics.jsonl" 2>/dev/null
 fi
-timeout -k 5 30 "$PY" scripts/gpu/synthetic_reference.py "$WORK/ref" "${REF_ARGS[@]}" \
-  > "$WORK/logs/reference.json" 2> "$WORK/logs/reference.log"
-log "synthetic store rc=$?: $(cat "$WORK/logs/reference.json")"
-timeout -k 10 65 "$PY" -m spectrain.cli train --store "$WORK/ref/store" --verifier "$WORK/ref/verifier" \
-  --speculator-type dflash "${TRAIN_ARGS[@]}" --log-every 1 --save-every 0 --val-fraction 0 --device "$DEVICE" \
-  --save-path "$WORK/train" > "$WORK/logs/train.json" 2> "$WORK/logs/train.log"
-log "train rc=$?"
-cp "$WORK/train/metrics.jsonl" "$WORK/logs/train-metrics.jsonl" 2>/dev/null
 
 # 4. hsgen serve on the device (bound 35 s)
-log "4/5 hsgen serve --device $DEVICE smoke"
-timeout -k 5 35 bash scripts/gpu/serve_smoke.sh "$WORK/serve" "$DEVICE" > "$WORK/logs/serve.json" \
-  2> "$WORK/logs/serve.log"
-log "serve smoke rc=$?: $(tail -c 300 "$WORK/logs/serve.json")"
+if want serve; then
+  log "4/5 hsgen serve --device $DEVICE smoke"
+  timeout -k 5 35 bash scripts/gpu/serve_smoke.sh "$WORK/serve" "$DEVICE" > "$WORK/logs/serve.json" \
+    2> "$WORK/logs/serve.log"
+  log "serve smoke rc=$?: $(tail -c 300 "$WORK/logs/serve.json")"
+fi
 
 # 5. the data path on the GPU host (issue 14: the online ceiling per training process must exceed
-#    1.8 GB/s there), in whatever time the bounds above left unused; not at the tiny shape
+#    1.8 GB/s there), at most 2 minutes of the time the bounds above left unused; not at the tiny shape
 left=$(( 560 - ($(date +%s) - T0) ))
-if [ "$TINY" = 1 ]; then
+if ! want data; then
+  :
+elif [ "$TINY" = 1 ]; then
   log "5/5 data path skipped at the tiny shape"
 elif [ "$left" -lt 60 ]; then
   log "5/5 data path skipped: ${left}s left"
 else
   log "5/5 bench_loader.py and bench_online.py --mode realistic, --threads 4 (${left}s left)"
-  timeout -k 5 $(( left / 4 )) "$PY" scripts/bench_loader.py --quick --threads 4 \
+  timeout -k 5 $(( left / 4 < 40 ? left / 4 : 40 )) "$PY" scripts/bench_loader.py --quick --threads 4 \
     > "$WORK/logs/loader.json" 2> "$WORK/logs/loader.log"
   log "bench_loader rc=$?: $(tail -c 300 "$WORK/logs/loader.json")"
   left=$(( 560 - ($(date +%s) - T0) ))
-  timeout -k 5 $(( left > 10 ? left - 5 : 5 )) "$PY" scripts/bench_online.py --quick --mode realistic --threads 4 \
+  left=$(( left > 85 ? 80 : left - 5 ))
+  timeout -k 5 $(( left > 5 ? left : 5 )) "$PY" scripts/bench_online.py --quick --mode realistic --threads 4 \
     > "$WORK/logs/online.json" 2> "$WORK/logs/online.log"
   log "bench_online rc=$?: $(tail -c 300 "$WORK/logs/online.json")"
 fi

@@ -99,3 +99,14 @@ def test_run_all_stops_at_once_when_an_import_fails(tmp_path):
     log = (tmp_path / "out" / "run_all.log").read_text()
     assert "imports failed, stopping: ModuleNotFoundError" in log and "1/5" not in log
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["ours"] is None
+
+
+def test_run_all_reruns_only_the_parts_asked_for(tmp_path):
+    env = {**os.environ, "TINY": "1", "DEVICE": "cpu", "PYTHON": sys.executable, "PARTS": "serve",
+           "OUT": str(tmp_path / "out"), "WORK": str(tmp_path / "work"), "CARRY": str(tmp_path / "no-carry"),
+           "PYTHONPATH": os.pathsep.join(str(ROOT / p) for p in ("packages/hsgen/src", "packages/spectrain/src"))}  # fmt: skip
+    subprocess.run(["bash", str(GPU / "run_all.sh")], env=env, check=True, timeout=120, capture_output=True)
+    log = (tmp_path / "out" / "run_all.log").read_text()
+    assert "4/5" in log and not any(f"{k}/5" in log for k in (1, 2, 3, 5))
+    s = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert s["serve"]["verify"]["ok"] and s["ours"] is None and s["train"]["steps"] == 0
