@@ -31,6 +31,7 @@ from hsgen import protocol
 from hsgen.errors import FetchError
 from hsgen.render import RenderedPrompt
 from hsgen.shared_dir import SharedDir, UnsafePath, lock_held, remove_own_file
+from hsgen.store.fsutil import read_exact_into
 
 STORAGE_DTYPES = {"bfloat16": np.uint16, "float16": np.float16, "float32": np.float32}
 """Logical dtype -> numpy dtype the states are kept in (bf16 as raw uint16 bits, like the store)."""
@@ -128,12 +129,7 @@ class FileRows:
         step = max(self.dtype.itemsize, piece_bytes // self.dtype.itemsize * self.dtype.itemsize)
         for lo in range(0, len(view), step):
             piece = view[lo : lo + step]
-            done = 0
-            while done < len(piece):
-                got = os.preadv(self._file.fd, [piece[done:]], self.offset + lo + done)
-                if got <= 0:
-                    raise EOFError(f"file ends {len(piece) - done} bytes short of its rows")
-                done += got
+            read_exact_into(self._file.fd, piece, self.offset + lo)
             if check is not None:
                 check(flat[lo // self.dtype.itemsize : (lo + len(piece)) // self.dtype.itemsize])
 
@@ -212,13 +208,10 @@ def read_hidden_states_fd(
 
 def _pread_array(fd: int, tensor: protocol.TensorInfo, dtype: np.dtype) -> np.ndarray:
     out = np.empty(tensor.shape, dtype=dtype)
-    view = memoryview(out.reshape(-1)).cast("B")
-    done = 0
-    while done < tensor.nbytes:
-        n = os.preadv(fd, [view[done:]], tensor.start + done)
-        if n == 0:
-            raise NotReady(f"file shrank below byte {tensor.start + done} while it was read")
-        done += n
+    try:
+        read_exact_into(fd, memoryview(out.reshape(-1)).cast("B"), tensor.start)
+    except EOFError as e:
+        raise NotReady(f"file shrank while it was read: {e}") from None
     return out
 
 
