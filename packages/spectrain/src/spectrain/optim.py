@@ -116,7 +116,6 @@ class Optimizers:
                 AdamW), for which it is read on the host.
         """
         if skip is not None and not all(_skips_on_device(o) for o in self.optimizers) and bool(skip):
-            skip = None
             for s in self.schedulers:
                 s.step()
             return

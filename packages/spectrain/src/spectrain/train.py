@@ -688,7 +688,6 @@ class Trainer:
         trackers = parse_report_to([*cfg.report_to, *(["tensorboard"] if cfg.tensorboard else [])])
         self.metrics = MetricsLog(self.save_path, self.info.is_main, trackers, cfg.to_dict())
         self.verifier_name = cfg.verifier_name or self.verifier.info.name_or_path
-        self.nonfinite_skipped = 0
         self.checks = StepChecks(cfg.max_nonfinite_steps, lambda ids: self._vocab_error(ids))
 
     # ------------------------------------------------------------------ setup
@@ -904,7 +903,7 @@ class Trainer:
                     bar.update(1)
                     logs = self.global_step % cfg.log_every == 0
                     if logs or self.global_step % check_every == 0:
-                        self._check_steps()
+                        self.checks.check()
                     if logs:
                         rec = self._train_record(window)
                         self.metrics.write(rec)
@@ -928,7 +927,7 @@ class Trainer:
                     summary["validation"] = self.validate()
             if last_saved != self.global_step:
                 self.save()
-            self._check_steps()
+            self.checks.check()
         finally:
             bar.close()
             self.metrics.close()
@@ -938,7 +937,7 @@ class Trainer:
                 "epoch": self.epoch,
                 "loss": self.checks.last_loss(),  # None (JSON null) when this run applied no step
                 "checkpoint": str(self.last_checkpoint),
-                "nonfinite_steps_skipped": self.nonfinite_skipped,
+                "nonfinite_steps_skipped": self.checks.skipped,
             }
         )
         if refused:
@@ -995,11 +994,6 @@ class Trainer:
             f"{self.verifier.vocab_size} ({self.cfg.verifier}): they were rendered with another tokenizer"
         )
 
-    def _check_steps(self) -> None:
-        """Read the flags of the steps since the last check (one sync; raises on too many skips)."""
-        self.checks.check()
-        self.nonfinite_skipped = self.checks.skipped
-
     def _train_record(self, window: _Window) -> dict[str, Any]:
         """The log record of the steps since the last one (reads the device: the log-interval sync)."""
         summ = window.sums.summary(self.info)
@@ -1023,7 +1017,7 @@ class Trainer:
             "step_time_s": elapsed / max(window.steps, 1),
             "data_wait_fraction": min(1.0, window.wait / max(elapsed, 1e-9)),
             "flops_per_s": flops / max(elapsed, 1e-9),
-            "nonfinite_steps_skipped": self.nonfinite_skipped,
+            "nonfinite_steps_skipped": self.checks.skipped,
         }
         stats = getattr(self.source, "stats", None)
         if callable(stats):
@@ -1083,7 +1077,7 @@ class Trainer:
 
     def save(self) -> Path:
         """Write ``checkpoint-<step>`` (servable export + trainer state) and point ``latest`` at it."""
-        self._check_steps()  # a run over its non-finite limit stops here, before anything is written
+        self.checks.check()  # a run over its non-finite limit stops here, before anything is written
         name = f"checkpoint-{self.global_step:08d}"
         final = self.save_path / name
         model_sd, optim_sd = self._full_states()

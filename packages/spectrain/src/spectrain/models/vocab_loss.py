@@ -155,9 +155,8 @@ def vocab_loss(
         size = torch.finfo(plan.draft_dtype).bits // 8
         keep_logit_grads = hidden.shape[0] * head_weight.shape[0] * size <= KEEP_BYTES
     plan.keep = keep_logit_grads
-    if (
-        target_head_weight is head_weight
-    ):  # one tensor may enter an autograd function (and torch.compile) once
+    # one tensor may enter an autograd function (and torch.compile) once
+    if target_head_weight is head_weight:
         plan.shared_head, target_head_weight = True, None
     side = (target_hidden, target_head_weight, ids, logits, index)
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or head_weight.requires_grad)
