@@ -17,8 +17,12 @@ repeat). Finally a simulated training step (a sleep 1.5x as long as the loader n
 sequence, standing for GPU work) shows the overlap: ``overlap_wait_fraction`` is the share of
 step time spent waiting for data after the first sequence (near 0 when the loader is hidden).
 
+Each timed pass also counts this process's CPU seconds per GB (``cpu_s_per_gb``;
+``cpu_ratio``: the threaded raw read's over the checked loader's), which the neighbours' load
+moves far less than it moves the rates.
+
 Last stdout line: ``{"loader_gbps", "loader_ratio", "raw_gbps", "loader_gbps_noverify",
-"loader_ratio_noverify", "overlap_wait_fraction", ...}``. ``bench_loader()`` is importable
+"loader_ratio_noverify", "overlap_wait_fraction", "cpu_s_per_gb", "cpu_ratio", ...}``. ``bench_loader()`` is importable
 (``scripts/bench_train.py`` calls it).
 """
 
@@ -28,6 +32,7 @@ import argparse
 import json
 import logging
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -194,6 +199,7 @@ def bench_loader(
         gb = raw.nbytes / 1e9
         log.info("store: %d samples, %.2f GB in %.1f s (%s)", len(plan), gb, time.perf_counter() - t0, path)
         runs: dict[str, list[float]] = {"raw_1": [], "raw_n": [], "verify": [], "noverify": []}
+        cpu: dict[str, list[float]] = {k: [] for k in runs}  # CPU seconds per GB (this process)
         jobs = {
             "raw_1": lambda: raw.read(),
             "raw_n": lambda: raw.read_threads(threads),
@@ -206,10 +212,11 @@ def bench_loader(
         order = list(jobs)
         for r in range(repeats):
             for name in order[r % 4 :] + order[: r % 4]:  # rotate which goes first
-                t = time.perf_counter()
+                t, c = time.perf_counter(), _cpu_s()
                 took = jobs[name]()
                 took = took if isinstance(took, float) else time.perf_counter() - t
                 runs[name].append(gb / took)
+                cpu[name].append((_cpu_s() - c) / gb)
             log.info("repeat %d: %s", r, {k: round(v[-1], 2) for k, v in runs.items()})
         limit = [max(a, b) for a, b in zip(runs["raw_1"], runs["raw_n"], strict=True)]
         ratio = [v / lim for v, lim in zip(runs["verify"], limit, strict=True)]
@@ -228,12 +235,22 @@ def bench_loader(
         "raw_gbps_1_thread": round(statistics.median(runs["raw_1"]), 3),
         "raw_gbps_threads": round(statistics.median(runs["raw_n"]), 3),
         "ratios": [round(x, 3) for x in ratio],
+        # CPU per byte moves far less with the neighbours' load than the rates do: raw / loader is
+        # the ratio both would reach on the same cores
+        "cpu_s_per_gb": {k: round(statistics.median(v), 4) for k, v in cpu.items()},
+        "cpu_ratio": round(statistics.median(cpu["raw_n"]) / statistics.median(cpu["verify"]), 3),
         "gb_per_pass": round(gb, 3),
         "threads": threads,
         "repeats": repeats,
         "pinned": torch.cuda.is_available(),
         "simulated_step_s": round(1.5 * per_seq, 4),
     }
+
+
+def _cpu_s() -> float:
+    """User + system CPU seconds of this process so far (every thread)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def main() -> None:
