@@ -4,12 +4,11 @@ shard's ``zarr.json``, the generate summary and spectrain's 401 line."""
 
 from __future__ import annotations
 
-
 import pytest
+from test_user_errors import free_port, run
 
 from hsgen import protocol
 from hsgen.client import ClientConfig
-from test_user_errors import free_port, run
 
 KEY = "sk-URL-SECRET-21"
 
