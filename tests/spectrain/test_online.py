@@ -584,3 +584,25 @@ def test_read_once_resume_fetches_again_what_was_fetched_but_not_trained(
     cfg = make_config(server, prompts_file, tiny_model_dir, tmp_path, delete_consumed=True)
     plan, stats = _resume_after_losing_steps(cfg, rendered)
     assert stats["samples_generated"] == len(plan) - 6 and stats["samples_from_scratch"] == 0
+
+
+def test_cache_generated_with_validation_writes_both_splits(
+    server, prompts_file, tiny_model_dir, tmp_path, rendered
+):
+    """The training and validation sources cache into one store at once: each writes with its own
+    writer id (issue 21, hole 1: both used ``online-rank{r}-{pid}`` and the second was refused)."""
+    cfg = make_config(
+        server, prompts_file, tiny_model_dir, tmp_path, validation_fraction=0.3, cache_generated=True
+    )
+    with OnlineSource(cfg) as src:
+        drive(src, 0)
+        val = src.validation_source()
+        assert val is not None
+        try:
+            for sid in val.plan(0):
+                check_sample(val.get(sid), rendered[0][sid])
+        finally:
+            val.close()
+    store = HiddenStateStore.open(tmp_path / "store")
+    assert sorted(store.sample_ids()) == sorted(rendered[0])
+    assert store.verify() == []

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hsgen.client_types import normalize_endpoint
+
 log = logging.getLogger(__name__)
 
 
@@ -167,6 +169,8 @@ class OnlineConfig:
         """Raise ``ValueError`` naming the option for settings that cannot work."""
         if not self.endpoints:
             raise ValueError("--online needs at least one --endpoint URL")
+        for url in self.endpoints:
+            normalize_endpoint(url)
         if not self.prompts:
             raise ValueError("--online needs --prompts FILE (the training prompts)")
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
