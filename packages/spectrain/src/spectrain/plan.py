@@ -109,7 +109,7 @@ def data_plan(cfg, source=None) -> dict[str, Any]:
 def resolve_draft(cfg, info, store_layer_ids):
     """The run's draft config and the stored layers feeding it (as the trainer resolves them)."""
     from spectrain.models import get_config_class
-    from spectrain.train import resolve_layers
+    from spectrain.train_setup import resolve_layers
 
     draft_cfg = get_config_class(cfg.speculator_type).from_dict(dict(cfg.draft), where="draft options")
     return draft_cfg, resolve_layers(draft_cfg, store_layer_ids, info.num_hidden_layers)

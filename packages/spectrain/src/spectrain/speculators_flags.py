@@ -389,7 +389,7 @@ def is_speculators_config(data: Any) -> bool:
 
 def config_tokens(path: str) -> list[str] | None:
     """The flags a speculators-shaped ``--config`` file stands for (None: a spectrain config file)."""
-    from spectrain.train import load_config_file
+    from spectrain.train_config import load_config_file
 
     data = load_config_file(path)
     if not is_speculators_config(data):
