@@ -11,7 +11,7 @@ against transformers' own forward by ``tests/spectrain/test_verifier_families.py
 - ``embed_scale``: the model multiplies its token embeddings by ``sqrt(hidden_size)`` inside
   its forward (Gemma). vLLM's draft models embed with the target's shared ``embed_tokens``
   table without that factor, so the draft sees unscaled embeddings in training too; the flag
-  is informational (docs, ``spectrain report``), and the stored layer-0 states carry the scale.
+  is informational (the docs table), and the stored layer-0 states carry the scale.
 - ``final_logit_softcapping`` is read from the config for every family (Gemma 2 ships 30).
 """
 
