@@ -406,6 +406,24 @@ def test_config_from_train_config(tiny_model_dir, tmp_path):
         OnlineConfig(["http://x"], ["p"], "s", "v", delete_consumed=True, cache_generated=True).validate()
 
 
+def test_node_local_endpoints_from_the_launcher(tiny_model_dir, tmp_path, monkeypatch):
+    from spectrain.train import TrainConfig
+
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    tc = TrainConfig(
+        verifier=str(tiny_model_dir),
+        save_path=str(tmp_path),
+        online=True,
+        endpoints=["http://localhost:{8000+local_rank}", "http://node{rank}:9000"],
+        prompts="p.jsonl",
+    )
+    cfg = OnlineConfig.from_train_config(tc, rank=3, world_size=4)
+    assert cfg.endpoints == ["http://localhost:8001", "http://node3:9000"]
+    tc.endpoints = ["http://a:1", "http://b:2", "http://c:3"]
+    tc.online_options = {"endpoint_per_local_rank": True}
+    assert OnlineConfig.from_train_config(tc, rank=3, world_size=4).endpoints == ["http://b:2"]
+
+
 def test_fatal_client_error_stops_with_a_clear_message(tiny_model_dir, prompts_file, tmp_path):
     with running_server(tiny_model_dir, LAYERS, tmp_path / "hs", api_key="secret", dtype="float32") as url:
         cfg = make_config(url, prompts_file, tiny_model_dir, tmp_path, api_key="wrong")
@@ -566,3 +584,25 @@ def test_read_once_resume_fetches_again_what_was_fetched_but_not_trained(
     cfg = make_config(server, prompts_file, tiny_model_dir, tmp_path, delete_consumed=True)
     plan, stats = _resume_after_losing_steps(cfg, rendered)
     assert stats["samples_generated"] == len(plan) - 6 and stats["samples_from_scratch"] == 0
+
+
+def test_cache_generated_with_validation_writes_both_splits(
+    server, prompts_file, tiny_model_dir, tmp_path, rendered
+):
+    """The training and validation sources cache into one store at once: each writes with its own
+    writer id (issue 21, hole 1: both used ``online-rank{r}-{pid}`` and the second was refused)."""
+    cfg = make_config(
+        server, prompts_file, tiny_model_dir, tmp_path, validation_fraction=0.3, cache_generated=True
+    )
+    with OnlineSource(cfg) as src:
+        drive(src, 0)
+        val = src.validation_source()
+        assert val is not None
+        try:
+            for sid in val.plan(0):
+                check_sample(val.get(sid), rendered[0][sid])
+        finally:
+            val.close()
+    store = HiddenStateStore.open(tmp_path / "store")
+    assert sorted(store.sample_ids()) == sorted(rendered[0])
+    assert store.verify() == []

@@ -98,12 +98,17 @@ class ClientConfig:
 
 
 def normalize_endpoint(url: str) -> str:
-    """``http://h:8000/v1/`` -> ``http://h:8000``; a bare ``h:8000`` gets ``http://``."""
+    """``http://h:8000/v1/`` -> ``http://h:8000``; a bare ``h:8000`` gets ``http://``.
+
+    Raises ``ValueError`` (the URL redacted) for credentials in the URL: see
+    :func:`hsgen.protocol.check_no_credentials`.
+    """
     url = url.strip().rstrip("/")
     if not url:
         raise ValueError("empty endpoint URL")
     if "://" not in url:
         url = "http://" + url
+    protocol.check_no_credentials(url)
     if url.endswith("/v1"):
         url = url[:-3]
     return url.rstrip("/")

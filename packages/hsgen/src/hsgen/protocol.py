@@ -120,6 +120,29 @@ def check_request_id(request_id: str) -> str:
     return request_id
 
 
+def redact_url(url: str) -> str:
+    """``url`` with its userinfo (``user:key@``) replaced by ``<redacted>``: what may be printed or recorded."""
+    scheme, sep, rest = url.partition("://")
+    authority, slash, path = rest.partition("/")
+    if not sep or "@" not in authority:
+        return url
+    return f"{scheme}://<redacted>@{authority.rsplit('@', 1)[1]}{slash}{path}"
+
+
+def check_no_credentials(url: str, what: str = "--endpoint") -> str:
+    """Return ``url`` if it carries no ``user:key@``; else ``ValueError`` naming the URL redacted.
+
+    A URL is logged, recorded in stores and summaries and printed in errors, so credentials never
+    travel in one: vLLM reads a bearer key (``--api-key`` / ``$VLLM_API_KEY``), nothing else.
+    """
+    if redact_url(url) != url:
+        raise ValueError(
+            f"{what} {redact_url(url)}: credentials in the URL are refused (URLs are logged and recorded); "
+            "drop 'user:key@' and pass the key with --api-key or $VLLM_API_KEY"
+        )
+    return url
+
+
 def auth_headers(api_key: str | None, request_id: str | None = None) -> dict[str, str]:
     """HTTP headers for a request: bearer token and request id, when given."""
     headers = {"Content-Type": "application/json"}
