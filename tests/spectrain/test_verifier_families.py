@@ -124,7 +124,9 @@ def test_soft_targets_follow_the_softcap(chunk_rows):
     assert float(raw.abs().max()) > cap
     p = torch.softmax(torch.tanh(raw / cap) * cap, -1)
     expected = (p * (p.log() - torch.log_softmax(hidden @ head.T, -1))).sum(-1)
-    loss, _, _ = vocab_loss(hidden, head, target_hidden, head, "soft", target_softcap=cap, chunk_rows=chunk_rows)
+    loss, _, _ = vocab_loss(
+        hidden, head, target_hidden, head, "soft", target_softcap=cap, chunk_rows=chunk_rows
+    )
     assert torch.allclose(loss, expected, atol=1e-5)
     uncapped, _, _ = vocab_loss(hidden, head, target_hidden, head, "soft", chunk_rows=chunk_rows)
     assert not torch.allclose(uncapped, expected, atol=1e-3)
