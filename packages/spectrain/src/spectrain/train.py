@@ -34,6 +34,7 @@ import torch.distributed as dist
 from spectrain.checkpoint import (
     LATEST,
     STATE_DIR,
+    check_resume,
     find_resume,
     full_states,
     load_checkpoint_model,
@@ -115,6 +116,8 @@ class Trainer:
 
         vdtype = torch.bfloat16 if self.amp else torch.float32
         self.verifier = VerifierHeads.load(cfg.verifier, dtype=vdtype).to(self.device)
+        if self.state is not None:
+            check_resume(self.resume_dir, cfg, self.state["draft_config"], self.verifier.vocab_size)
         header = self.source.header
         check_header(cfg, header, self.verifier)
         self.hidden_dtype = TORCH_DTYPES.get(getattr(header, "dtype", "bfloat16"), torch.bfloat16)
@@ -183,7 +186,8 @@ class Trainer:
             self.plans = None
             if saved != plan:
                 log.warning(
-                    "epoch %d plan changed since the checkpoint (store grew?); continuing the saved plan",
+                    "epoch %d plan changed since the checkpoint (samples added to or removed from the store); "
+                    "continuing the saved plan",
                     epoch,
                 )
                 use = getattr(self.source, "use_plan", None)
@@ -291,6 +295,9 @@ class Trainer:
                 self.position = 0
                 if self.val_source is not None and not cfg.val_every:
                     summary["validation"] = self.validate()
+            if window.steps:  # the last step is always logged, however short the run
+                self.checks.check()
+                self.metrics.write(self._train_record(window))
             if last_saved != self.global_step:
                 self.save()
             self.checks.check()
@@ -362,7 +369,8 @@ class Trainer:
 
     def _train_record(self, window: LogWindow) -> dict[str, Any]:
         """The log record of the steps since the last one (reads the device: the log-interval sync)."""
-        return train_record(window, self.info, step=self.global_step, epoch=self.epoch, position=self.position,
+        epoch = self.epoch - 1 if self.position == 0 and self.epoch > 0 else self.epoch  # the step's epoch
+        return train_record(window, self.info, step=self.global_step, epoch=epoch, position=self.position,
                             lr=self.optimizer.lr, skipped=self.checks.skipped, source=self.source)  # fmt: skip
 
     @torch.no_grad()
