@@ -18,7 +18,9 @@ def _generate(prompts, store, url, tokenizer):
 
 
 def test_a_wrong_tokenizer_is_refused_before_any_request(tmp_path, tiny_model_dir, sample_chats_path):
-    other = ensure_tiny_model(spec=dataclasses.replace(DEFAULT_SPEC, tokenizer_vocab_size=600, pretrain_steps=0))
+    other = ensure_tiny_model(
+        spec=dataclasses.replace(DEFAULT_SPEC, tokenizer_vocab_size=600, pretrain_steps=0)
+    )
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(sample_chats_path.read_text().splitlines()[:6]) + "\n")
     with running_server(tiny_model_dir, "1,2,4", tmp_path / "shm") as url:
