@@ -131,11 +131,13 @@ class StoreSource:
             raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
         if not 0.0 <= val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+        from hsgen.store.backend import is_remote
+
         if isinstance(store, str | Path):
-            self.path = Path(store)
+            self.path = store if is_remote(store) else Path(store)  # s3://bucket/prefix stays a URL
             self._store = None
         else:
-            self.path = Path(store.path)
+            self.path = store.path if is_remote(str(store.path)) else Path(store.path)
             self._store = store
         self.split = split
         self.val_fraction = val_fraction
