@@ -34,6 +34,15 @@ def hub_cache(tmp_path, monkeypatch):
 
 
 @pytest.fixture(scope="session")
+def family_model(tmp_path_factory, tiny_model_dir):
+    """``family_model(name)``: the directory of a tiny random model of a verifier family
+    (``tests/_families.py``), saved once per session with the tiny tokenizer."""
+    from _families import family_dirs
+
+    return family_dirs(tmp_path_factory.mktemp("families"), tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
 def s3_server():
     """A real S3-compatible server (moto's server mode) on an ephemeral port, for the session."""
     from moto.server import ThreadedMotoServer

@@ -115,7 +115,7 @@ class OnlineConfig:
 
     @classmethod
     def from_train_config(cls, cfg: Any, rank: int = 0, world_size: int = 1) -> OnlineConfig:
-        """Build from a :class:`spectrain.train.TrainConfig` (``--online`` runs).
+        """Build from a :class:`spectrain.train_config.TrainConfig` (``--online`` runs).
 
         ``cfg.online_options`` (``--online-option KEY=VALUE``) sets any other field of this class.
         Without a store and without ``layer_ids``, the layers are the draft's ``--target-layer-ids``
