@@ -44,6 +44,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+REMOTE_READS_IN_FLIGHT = 16
+"""Reader threads for a store on object storage (``s3://``), unless ``--read-threads`` asks more."""
+
 SPLITS = ("train", "validation")
 
 
@@ -145,6 +148,14 @@ class StoreSource:
         self.rank = rank
         self.world_size = world_size
         self.verify = verify
+
+    @property
+    def reads_in_flight(self) -> int:
+        """Reads the loader should keep in flight at least: many on object storage, where each
+        read waits a round trip (``docs/benchmarks.md``: the figure that reaches the local rate)."""
+        from hsgen.store.backend import is_remote
+
+        return REMOTE_READS_IN_FLIGHT if is_remote(str(self.path)) else 0
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
