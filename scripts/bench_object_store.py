@@ -35,10 +35,10 @@ def _proxy(upstream: str, latency_s: float) -> str:
             request.method, upstream + request.path_qs, data=body, headers=headers, allow_redirects=False
         ) as r:
             data = await r.read()
-            out = {
-                k: v for k, v in r.headers.items() if k.lower() not in ("content-length", "transfer-encoding")
-            }
-            return web.Response(status=r.status, body=data, headers=out)
+            head = request.method == "HEAD"  # keeps the server's Content-Length, has no body
+            drop = ("transfer-encoding",) if head else ("content-length", "transfer-encoding")
+            out = {k: v for k, v in r.headers.items() if k.lower() not in drop}
+            return web.Response(status=r.status, body=None if head else data, headers=out)
 
     def run() -> None:
         loop = asyncio.new_event_loop()

@@ -94,6 +94,7 @@ def generate(
     inputs = dataset_inputs(inputs, split, max_samples, streaming)
     try:
         ranks = resolve_ranks(world_size, rank)
+        original = list(endpoints)
         endpoints = endpoints_for_rank(endpoints, ranks, per_local_rank=endpoint_per_local_rank)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--rank") from None
@@ -102,7 +103,8 @@ def generate(
         raise click.BadParameter(
             "claims need a store on a file system, not object storage", param_hint="--join"
         )
-    log.info("hsgen generate: %s, endpoints %s", ranks.describe(), ", ".join(endpoints))
+    if ranks.world_size > 1 or ranks.source != "default" or any("{" in e for e in original):
+        log.info("hsgen generate: %s, endpoints %s", ranks.describe(), ", ".join(endpoints))
     ids = None
     if layer_ids:
         try:
