@@ -147,15 +147,17 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     jobs = [Job(ids, path, fault)]
     await run_jobs(request, state, jobs, [max_tokens], body, include)
     res = jobs[0].result
+    message = {"role": "assistant", "content": decode(state, res.output_token_ids), "refusal": None,
+               "annotations": None, "audio": None, "function_call": None, "reasoning": None}  # fmt: skip
     choice: dict[str, Any] = {
         "index": 0,
-        "message": {"role": "assistant", "content": decode(state, res.output_token_ids), "tool_calls": []},
+        "message": message,
         "logprobs": None,
         "finish_reason": res.finish_reason,
         "stop_reason": None,
+        "token_ids": res.output_token_ids if return_ids else None,
+        "routed_experts": None,
     }
-    if return_ids:
-        choice["token_ids"] = res.output_token_ids
     out = {
         "id": request_id,
         "object": "chat.completion",
@@ -167,7 +169,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         "usage": usage(jobs),
         "prompt_logprobs": None,
         "prompt_token_ids": ids if return_ids else None,
+        "prompt_text": None,
         "kv_transfer_params": {"hidden_states_path": path},
+        "ec_transfer_params": None,
+        "metrics": None,
     }
     return await respond(request, state, out, jobs)
 
