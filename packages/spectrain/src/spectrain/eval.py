@@ -457,7 +457,9 @@ def load_prompts(
 
 def load_verifier(path: str | Path, layer_ids: Sequence[int], *, dtype: str = "float64", device: str = "cpu"):
     """Load a local HF causal LM as a :class:`Verifier`; returns ``(verifier, tokenizer)``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from hsgen.serve.hidden import load_causal_lm
 
     path = Path(path)
     if not (path / "config.json").is_file():
@@ -467,7 +469,7 @@ def load_verifier(path: str | Path, layer_ids: Sequence[int], *, dtype: str = "f
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r}: choose one of {sorted(DTYPES)}")
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], local_files_only=True)
+    model = load_causal_lm(path, DTYPES[dtype])
     model.to(device).eval()
     eos: set[int] = set()
     for source in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
