@@ -89,7 +89,8 @@ def serve_and_eval(draft: Path, model: Path, prompts: Path, args, logs: Path) ->
     try:
         out = _run([sys.executable, "-m", "spectrain.cli", "eval", "--draft", str(draft), "--verifier", str(model),
                     "--prompts", str(prompts), "--max-new-tokens", str(args.max_new_tokens), "--endpoint", server.url,
-                    "--json", "--no-progress"], 1800, f"spectrain eval --endpoint ({draft})")  # fmt: skip
+                    "--ignore-eos", "--json", "--no-progress"], 1800,
+                   f"spectrain eval --endpoint ({draft})")  # fmt: skip
     finally:
         server.stop()
     result = json.loads(out.strip().splitlines()[-1])

@@ -56,7 +56,14 @@ def shared_root():
 
 @pytest.fixture(scope="session")
 def vllm_extract(vllm_py, vllm_model_dir, shared_root, tmp_path_factory):
-    """One extraction server for the session: ``(server, shared_dir)``."""
+    """One extraction server for the session: ``(server, shared_dir)``.
+
+    ``HSGEN_VLLM_EXTRACT_URL`` + ``HSGEN_VLLM_EXTRACT_SHARED``: use a server already running
+    (started with ``hsgen.vllm_server.extraction_args(LAYERS, shared)``; for iterating on the tests).
+    """
+    if os.environ.get("HSGEN_VLLM_EXTRACT_URL"):
+        yield _Running(os.environ["HSGEN_VLLM_EXTRACT_URL"]), Path(os.environ["HSGEN_VLLM_EXTRACT_SHARED"])
+        return
     shared = shared_root / "vllm"
     shared.mkdir()
     log = tmp_path_factory.mktemp("vllm-logs") / "extract.log"
@@ -66,3 +73,21 @@ def vllm_extract(vllm_py, vllm_model_dir, shared_root, tmp_path_factory):
         yield server, shared
     finally:
         server.stop()
+
+
+class _Running:
+    """A server this session did not start (``HSGEN_VLLM_EXTRACT_URL``): never stopped here."""
+
+    def __init__(self, url: str):
+        self.url = url
+
+    def alive(self) -> bool:
+        import urllib.request
+
+        try:
+            return urllib.request.urlopen(f"{self.url}/health", timeout=10).status == 200
+        except OSError:
+            return False
+
+    def log_tail(self) -> str:
+        return "(not started by this session)"

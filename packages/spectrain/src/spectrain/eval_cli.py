@@ -182,10 +182,16 @@ def follow_latest(path: str) -> str:
     "beside ours, both counted as vLLM counts, and checks every served output against greedy decoding.",
 )
 @click.option("--api-key", envvar="VLLM_API_KEY", help="Bearer key of --endpoint [env: VLLM_API_KEY].")
+@click.option(
+    "--ignore-eos",
+    is_flag=True,
+    default=False,
+    help="Generate --max-new-tokens tokens per prompt even past an EOS (vLLM's ignore_eos; fixed-length outputs).",
+)
 @click.option("--log-level", default="WARNING", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]))
 def eval_command(draft_dir, verifier, revision, prompts_path, max_new_tokens, split, chat_template, template_kwargs,
                  layer_ids, num_prompts, num_speculative_tokens, dtype, device, block_attention, torch_threads,
-                 as_json, progress, endpoint, api_key, log_level) -> None:  # fmt: skip
+                 as_json, progress, endpoint, api_key, ignore_eos, log_level) -> None:  # fmt: skip
     """Speculative decoding with greedy verification: tau, per-position acceptance, exactness.
 
     The verifier runs with transformers; the draft is loaded from the exported (vLLM) format.
@@ -226,6 +232,8 @@ def eval_command(draft_dir, verifier, revision, prompts_path, max_new_tokens, sp
                                        block_attention=None if block_attention == "auto" else block_attention)  # fmt: skip
         layers = _layer_ids(layer_ids, proposer.layer_ids)
         ver, tokenizer = load_verifier(verifier, layers, dtype=dtype, device=device)
+        if ignore_eos:
+            ver.eos_token_ids = frozenset()
         from hsgen.cli import json_object_option
         from hsgen.hf_datasets import as_input
 
@@ -250,7 +258,9 @@ def eval_command(draft_dir, verifier, revision, prompts_path, max_new_tokens, sp
         keep_tokens=bool(endpoint),
     )
     served = (
-        _measure_endpoint(endpoint, api_key, prompts, max_new_tokens, report, progress) if endpoint else None
+        _measure_endpoint(endpoint, api_key, prompts, max_new_tokens, report, progress, ignore_eos)
+        if endpoint
+        else None
     )
     result = {
         "draft": str(draft_dir),
@@ -259,6 +269,7 @@ def eval_command(draft_dir, verifier, revision, prompts_path, max_new_tokens, sp
         "layer_ids": list(layers),
         "block_attention": getattr(proposer.model.cfg, "block_attention", None),
         "max_new_tokens": max_new_tokens,
+        "ignore_eos": ignore_eos,
         "verifier_dtype": dtype,
         **report.to_dict(),
     }
@@ -283,12 +294,12 @@ def eval_command(draft_dir, verifier, revision, prompts_path, max_new_tokens, sp
         sys.exit(1)
 
 
-def _measure_endpoint(endpoint, api_key, prompts, max_new_tokens, report, progress):
+def _measure_endpoint(endpoint, api_key, prompts, max_new_tokens, report, progress, ignore_eos):
     from spectrain.served import EndpointError, evaluate_endpoint
 
     reference = [row["tokens"] for row in report.per_prompt]
     try:
         return evaluate_endpoint(endpoint, prompts, max_new_tokens, reference=reference, api_key=api_key,
-                                 progress=progress is not False)  # fmt: skip
+                                 progress=progress is not False, ignore_eos=ignore_eos)  # fmt: skip
     except EndpointError as e:
         raise click.ClickException(f"--endpoint: {e}") from None

@@ -105,12 +105,12 @@ def served_model(url: str, api_key: str | None = None) -> str:
         raise EndpointError(f"{url}/v1/models: no model listed") from None
 
 
-def complete(
-    url: str, model: str, prompt_ids: Sequence[int], max_tokens: int, api_key: str | None = None
-) -> list[int]:
+def complete(url: str, model: str, prompt_ids: Sequence[int], max_tokens: int, api_key: str | None = None,
+             ignore_eos: bool = False) -> list[int]:  # fmt: skip
     """Greedy completion of ``prompt_ids``; returns the generated token ids."""
     body = {"model": model, "prompt": [int(t) for t in prompt_ids], "max_tokens": int(max_tokens),
-            "temperature": 0.0, "return_token_ids": True, "skip_special_tokens": False}  # fmt: skip
+            "temperature": 0.0, "return_token_ids": True, "skip_special_tokens": False,
+            "ignore_eos": ignore_eos}  # fmt: skip
     resp = json.loads(_request(url, "/v1/completions", body, api_key=api_key))
     choice = resp["choices"][0]
     if choice.get("prompt_token_ids") not in (None, list(prompt_ids)):
@@ -149,10 +149,12 @@ class ServedReport:
 
 
 def evaluate_endpoint(url: str, prompts, max_new_tokens: int, *, reference: Sequence[Sequence[int]] | None = None,
-                      api_key: str | None = None, progress: bool = False) -> ServedReport:  # fmt: skip
+                      api_key: str | None = None, progress: bool = False,
+                      ignore_eos: bool = False) -> ServedReport:  # fmt: skip
     """Send every prompt (``spectrain.eval.EvalPrompt``) to ``url`` and read the counters' growth.
 
     ``reference``: the local greedy outputs, one per prompt, compared with the served ones.
+    ``ignore_eos``: vLLM generates ``max_new_tokens`` tokens whatever it emits (as the local run must).
     """
     from hsgen.progress import progress_bar
 
@@ -160,7 +162,7 @@ def evaluate_endpoint(url: str, prompts, max_new_tokens: int, *, reference: Sequ
     before = read_counters(url, api_key)
     outputs = []
     for p in progress_bar(prompts, desc="served", unit="prompt", disable=not progress):
-        outputs.append(complete(url, model, p.token_ids, max_new_tokens, api_key))
+        outputs.append(complete(url, model, p.token_ids, max_new_tokens, api_key, ignore_eos))
     delta = read_counters(url, api_key) - before
     if delta.requests and int(round(delta.requests)) != len(prompts):
         raise EndpointError(f"{url}: {int(delta.requests)} requests finished while {len(prompts)} were sent: "
