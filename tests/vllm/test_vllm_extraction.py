@@ -144,11 +144,14 @@ def test_generate_kill_9_resume_and_compare_with_hsgen_serve(vllm_extract, vllm_
                                                             tmp_path):  # fmt: skip
     server, shared = vllm_extract
     data = tmp_path / "chats.jsonl"
-    n = 64
+    n = 120
     write_chats(sample_chats_path, data, n)
     store = tmp_path / "real"
     cmd = generate_cmd(data, store, server.url, shared, vllm_model_dir, LAYERS, "--shard-mb", "0.2")
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env())
+    # one request at a time, so that the kill lands mid-run even on an idle machine
+    proc = subprocess.Popen(
+        [*cmd, "--concurrency", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env()
+    )
     deadline, stored = time.monotonic() + 300, 0
     while time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.2)
