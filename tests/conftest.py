@@ -33,6 +33,15 @@ def hub_cache(tmp_path, monkeypatch):
     return home / "hub"
 
 
+@pytest.fixture(scope="session")
+def family_model(tmp_path_factory, tiny_model_dir):
+    """``family_model(name)``: the directory of a tiny random model of a verifier family
+    (``tests/_families.py``), saved once per session with the tiny tokenizer."""
+    from _families import family_dirs
+
+    return family_dirs(tmp_path_factory.mktemp("families"), tiny_model_dir)
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``vllm`` (the real-vLLM tier, tests/vllm/) run only when ``-m`` names them
     (``python -m pytest -m vllm``): the README's test command stays fast."""

@@ -180,3 +180,21 @@ def test_sigterm_with_a_silent_server_ends_within_the_grace(tmp_path):
         summary = json.loads(out.splitlines()[-1])
         assert summary["stored"] == 10 and summary["failed"] == 0, summary
         assert len(HiddenStateStore.open(run_dir / "st")) == 10
+
+
+def test_sigterm_after_the_input_is_used_up_ends_within_the_grace(tmp_path):
+    """Issue 21, hole 4: with every prompt sent, the run waits in its drain for the last requests;
+    a SIGTERM there must still end it within --stop-grace (it used to wait for --timeout)."""
+    shared = tmp_path / "shm"
+    fake = FakeVLLM(FakeConfig(str(shared), faults=[None] * 10 + ["hang"] * 4, hang_s=60))
+    with fake.in_thread() as url:
+        proc = start_generate(tmp_path, url, shared, 14, "--stop-grace", 2)
+        wait_for(lambda: fake.requests >= 14 or proc.poll() is not None)
+        time.sleep(1.0)  # the input is used up: the run is draining
+        assert proc.poll() is None, proc.communicate()
+        took, out, err = sigterm_and_wait(proc)
+    assert proc.returncode == EXIT_INTERRUPTED, err[-2000:]
+    assert took < 2 + 6, f"{took:.1f} s with --stop-grace 2"
+    assert "Traceback" not in err
+    summary = json.loads(out.splitlines()[-1])
+    assert summary["stored"] == 10 and summary["failed"] == 0, summary

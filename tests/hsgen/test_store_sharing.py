@@ -138,14 +138,20 @@ def test_second_generator_on_the_same_rank_is_refused(tmp_path):
     data = tmp_path / "d.jsonl"
     n = 200
     data.write_text("".join(json.dumps({"id": f"p{i}", "input_ids": [i + 1, 2, 3]}) + "\n" for i in range(n)))
-    with FakeVLLM(FakeConfig(str(shared), capacity=2, step_s=0.04)).in_thread() as url:
+    # The server stays slow until the second generator has been refused, so the first is still
+    # running however long the second takes to start on a loaded machine; then it speeds up.
+    cfg = FakeConfig(str(shared), capacity=2, step_s=0.04)
+    with FakeVLLM(cfg).in_thread() as url:
         first = _generate(data, store, url, shared, "--commit-interval", "0.2")
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and _stored(store) < 10:
             time.sleep(0.1)
+        cfg.step_s = 1.0
         assert first.poll() is None, "the first generator must still be running"
         second = _generate(data, store, url, shared)
         out2, err2 = second.communicate(timeout=60)
+        assert first.poll() is None, "the first generator must still be running"
+        cfg.step_s = 0.01
         out1, err1 = first.communicate(timeout=120)
         ranked = [
             _generate(data, tmp_path / "st2", url, shared, "--world-size", "2", "--rank", r) for r in "01"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -369,8 +370,22 @@ def test_header_mismatch_is_a_clear_error(server, prompts_file, tiny_model_dir, 
     cfg = make_config(server, prompts_file, tiny_model_dir, tmp_path)
     with OnlineSource(cfg) as src:
         plan = src.plan(0)
-        with pytest.raises(RuntimeError, match=r"layers \[1, 2\]"):
+        with pytest.raises(RuntimeError, match=r"sends 3 layers, 2 were asked for"):
             src.get(plan[0])
+
+
+def test_a_new_store_never_adopts_a_hidden_size_the_model_does_not_have(
+    server, prompts_file, tiny_model_dir, tmp_path
+):
+    """The server's files are checked on their header against the verifier's config (issue 21, hole 3)."""
+    verifier = tmp_path / "verifier"
+    shutil.copytree(tiny_model_dir, verifier)
+    config = json.loads((verifier / "config.json").read_text())
+    (verifier / "config.json").write_text(json.dumps({**config, "hidden_size": 32}))
+    cfg = make_config(server, prompts_file, verifier, tmp_path, cache_generated=True)
+    with OnlineSource(cfg) as src, pytest.raises(RuntimeError, match="hidden size 64, the model's is 32"):
+        src.get(src.plan(0)[0])
+    assert not (tmp_path / "store").exists()
 
 
 def test_choose_scratch_dir_falls_back_when_tmpfs_is_small(tmp_path):
@@ -404,6 +419,24 @@ def test_config_from_train_config(tiny_model_dir, tmp_path):
         OnlineConfig.from_train_config(tc)
     with pytest.raises(ValueError, match="contradict"):
         OnlineConfig(["http://x"], ["p"], "s", "v", delete_consumed=True, cache_generated=True).validate()
+
+
+def test_node_local_endpoints_from_the_launcher(tiny_model_dir, tmp_path, monkeypatch):
+    from spectrain.train import TrainConfig
+
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    tc = TrainConfig(
+        verifier=str(tiny_model_dir),
+        save_path=str(tmp_path),
+        online=True,
+        endpoints=["http://localhost:{8000+local_rank}", "http://node{rank}:9000"],
+        prompts="p.jsonl",
+    )
+    cfg = OnlineConfig.from_train_config(tc, rank=3, world_size=4)
+    assert cfg.endpoints == ["http://localhost:8001", "http://node3:9000"]
+    tc.endpoints = ["http://a:1", "http://b:2", "http://c:3"]
+    tc.online_options = {"endpoint_per_local_rank": True}
+    assert OnlineConfig.from_train_config(tc, rank=3, world_size=4).endpoints == ["http://b:2"]
 
 
 def test_fatal_client_error_stops_with_a_clear_message(tiny_model_dir, prompts_file, tmp_path):
@@ -566,3 +599,25 @@ def test_read_once_resume_fetches_again_what_was_fetched_but_not_trained(
     cfg = make_config(server, prompts_file, tiny_model_dir, tmp_path, delete_consumed=True)
     plan, stats = _resume_after_losing_steps(cfg, rendered)
     assert stats["samples_generated"] == len(plan) - 6 and stats["samples_from_scratch"] == 0
+
+
+def test_cache_generated_with_validation_writes_both_splits(
+    server, prompts_file, tiny_model_dir, tmp_path, rendered
+):
+    """The training and validation sources cache into one store at once: each writes with its own
+    writer id (issue 21, hole 1: both used ``online-rank{r}-{pid}`` and the second was refused)."""
+    cfg = make_config(
+        server, prompts_file, tiny_model_dir, tmp_path, validation_fraction=0.3, cache_generated=True
+    )
+    with OnlineSource(cfg) as src:
+        drive(src, 0)
+        val = src.validation_source()
+        assert val is not None
+        try:
+            for sid in val.plan(0):
+                check_sample(val.get(sid), rendered[0][sid])
+        finally:
+            val.close()
+    store = HiddenStateStore.open(tmp_path / "store")
+    assert sorted(store.sample_ids()) == sorted(rendered[0])
+    assert store.verify() == []

@@ -36,12 +36,20 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "wait": ("hsgen.wait_cli:wait", "Wait until servers answer GET /health (scripts, tutorials)."),
     "render": (
-        "hsgen.generate_cli:render",
+        "hsgen.render_cli:render",
         "Render conversations to token ids + loss masks (JSONL on stdout).",
     ),
     "generate": (
         "hsgen.generate_cli:generate",
         "Fetch hidden states for prompts from vLLM servers into a store.",
+    ),
+    "vllm-command": (
+        "hsgen.vllm_command:vllm_command",
+        "Print (or --run) the exact vllm serve line that extracts hidden states of a model.",
+    ),
+    "import-speculators": (
+        "hsgen.speculators_import_cli:import_speculators",
+        "Import a hidden-state cache speculators wrote (hs_<row>.safetensors + its dataset) into a store.",
     ),
 }
 

@@ -41,6 +41,7 @@ from hsgen.client_types import ClientConfig, FetchedSample, normalize_endpoint
 from hsgen.errors import FatalError, FetchError, FetchStopped, describe_transport
 from hsgen.hidden_file import (
     STORAGE_DTYPES,
+    ExpectedStates,
     FileWait,
     HiddenFileReader,
     all_finite,
@@ -92,6 +93,7 @@ class HiddenStateClient:
             c.include_output_tokens,
             c.map_files,
             c.rows_in_file,
+            ExpectedStates(c.expect_layers, c.expect_hidden_size, c.expect_dtype),
         )
         self._files = HiddenFileReader(self.shared, wait, self._pool)
         self._last_alive = time.monotonic()

@@ -51,6 +51,10 @@ class ClientConfig:
         max_down_s: end with :class:`FatalError` when no endpoint has answered any request for
             this long (0 = never give up).
         probe_timeout_s: limit for each endpoint's ``GET /v1/models`` in :meth:`HiddenStateClient.probe`.
+        expect_layers, expect_hidden_size, expect_dtype: what every file must hold (None =
+            unknown): checked on the file's header before its payload is read; a file that does
+            not fit ends the run (:class:`~hsgen.errors.FatalError` ``wrong_states``). Without a
+            hidden size, one over :data:`hsgen.hidden_file.MAX_HIDDEN_SIZE` is refused.
         request_prefix: start of every ``X-Request-Id`` (and so of every file name) this client
             causes; default a fresh ``hsgen-<12 hex>-`` (:func:`hsgen.shared_dir.new_client_prefix`).
     """
@@ -78,6 +82,9 @@ class ClientConfig:
     read_threads: int = 4
     max_down_s: float = 600.0
     probe_timeout_s: float = 10.0
+    expect_layers: int | None = None
+    expect_hidden_size: int | None = None
+    expect_dtype: str | None = None
     request_prefix: str = field(default_factory=new_client_prefix)
 
     def __post_init__(self) -> None:
@@ -98,12 +105,17 @@ class ClientConfig:
 
 
 def normalize_endpoint(url: str) -> str:
-    """``http://h:8000/v1/`` -> ``http://h:8000``; a bare ``h:8000`` gets ``http://``."""
+    """``http://h:8000/v1/`` -> ``http://h:8000``; a bare ``h:8000`` gets ``http://``.
+
+    Raises ``ValueError`` (the URL redacted) for credentials in the URL: see
+    :func:`hsgen.protocol.check_no_credentials`.
+    """
     url = url.strip().rstrip("/")
     if not url:
         raise ValueError("empty endpoint URL")
     if "://" not in url:
         url = "http://" + url
+    protocol.check_no_credentials(url)
     if url.endswith("/v1"):
         url = url[:-3]
     return url.rstrip("/")

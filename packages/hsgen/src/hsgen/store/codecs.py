@@ -27,6 +27,7 @@ DIMENSIONS = {
     "hidden_scale": ["token", "layer"],
     "token_ids": ["token"],
     "loss_mask": ["token"],
+    "target_ids": ["token"],
 }
 
 LZ4_BLOSC = {"cname": "lz4", "clevel": 5, "shuffle": "bitshuffle", "blocksize": 0}
@@ -275,7 +276,13 @@ def checksum_like(expected: str, arrays: Sequence[np.ndarray]) -> str:
 
 
 def sample_arrays(
-    hidden: np.ndarray, token_ids: np.ndarray, loss_mask: np.ndarray, scale: np.ndarray | None = None
+    hidden: np.ndarray,
+    token_ids: np.ndarray,
+    loss_mask: np.ndarray,
+    scale: np.ndarray | None = None,
+    target_ids: np.ndarray | None = None,
 ) -> list[np.ndarray]:
-    """The arrays a sample's checksum covers, in order: stored hidden rows, fp8 scale, ids, mask."""
-    return [hidden] + ([scale] if scale is not None else []) + [token_ids, loss_mask]
+    """The arrays a sample's checksum covers, in order: stored hidden rows, fp8 scale, ids, mask,
+    and (``argmax`` stores) the verifier's target ids."""
+    out = [hidden] + ([scale] if scale is not None else []) + [token_ids, loss_mask]
+    return out + ([target_ids] if target_ids is not None else [])

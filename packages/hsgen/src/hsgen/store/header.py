@@ -8,9 +8,12 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-FORMAT_VERSION = 2
-"""1: sample checksums ``bsum64``; 2: ``xxh3`` (older hsgen refuse to open a version 2 store)."""
-"""The newest store format this code reads and the one it writes."""
+FORMAT_VERSION = 3
+"""The newest store format this code reads. 1: sample checksums ``bsum64``; 2: ``xxh3`` (older
+hsgen refuse to open a version 2 store); 3: the verifier's targets may be stored as token ids
+(``targets = "argmax"``). A new store is written at the lowest version that holds its data
+(:func:`format_version_for`), so a store of final-layer states stays readable by hsgen that
+knows version 2."""
 
 LOGICAL_DTYPES: dict[str, np.dtype] = {
     "bfloat16": np.dtype(ml_dtypes.bfloat16),
@@ -29,7 +32,12 @@ STORAGE_DTYPES: dict[str, np.dtype] = {
 CODECS = ("raw", "lz4", "fp8")
 """``raw``: uncompressed; ``lz4``: blosc lz4 + bitshuffle (lossless); ``fp8``: e4m3 + per-token scale (lossy)."""
 
-MEANING_FIELDS = ("verifier", "layer_ids", "hidden_size", "dtype", "tokenizer_fingerprint")
+TARGETS = ("states", "argmax")
+"""``states``: the last stored layer is the verifier's final layer (the trainer forms its targets
+from it); ``argmax``: every stored layer is a draft input, and the shard's ``target_ids`` hold the
+verifier's greedy next token at every position (from vLLM's ``prompt_logprobs``)."""
+
+MEANING_FIELDS = ("verifier", "layer_ids", "hidden_size", "dtype", "tokenizer_fingerprint", "targets")
 """Header fields that change what the data means; stores refuse samples that differ in any of them."""
 
 
@@ -44,7 +52,10 @@ class StoreHeader:
         dtype: logical dtype, ``"bfloat16"``, ``"float16"`` or ``"float32"``.
         tokenizer_fingerprint: sha256 of tokenizer and chat template (``""`` = unknown).
         codec: ``"raw"`` (default), ``"lz4"`` (lossless) or ``"fp8"`` (lossy e4m3, per-token scale).
-        format_version: store format version (see ``docs/format.md``).
+        format_version: store format version (see ``docs/format.md``); 0 (the default) = the
+            lowest version that holds this data (:func:`format_version_for`).
+        targets: ``"states"`` (default: the last stored layer feeds the targets) or ``"argmax"``
+            (the verifier's greedy next-token ids are stored per token instead; format version 3).
     """
 
     verifier: str
@@ -53,10 +64,15 @@ class StoreHeader:
     dtype: str
     tokenizer_fingerprint: str = ""
     codec: str = "raw"
-    format_version: int = FORMAT_VERSION
+    format_version: int = 0
+    targets: str = "states"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_ids", tuple(self.layer_ids))
+        if self.targets not in TARGETS:
+            raise ValueError(f"StoreHeader.targets must be one of {list(TARGETS)}, got {self.targets!r}")
+        if self.format_version == 0:
+            object.__setattr__(self, "format_version", format_version_for(self.targets))
         if not isinstance(self.verifier, str) or not self.verifier:
             raise ValueError(f"StoreHeader.verifier must be a non-empty string, got {self.verifier!r}")
         ids = self.layer_ids
@@ -80,11 +96,26 @@ class StoreHeader:
             raise ValueError(
                 f"StoreHeader.format_version must be a positive int, got {self.format_version!r}"
             )
+        if self.target_ids_stored and self.format_version < 3:
+            raise ValueError(
+                f"StoreHeader: targets {self.targets!r} need format version >= 3, got {self.format_version}"
+            )
 
     @property
     def num_layers(self) -> int:
         """Number of stored layers."""
         return len(self.layer_ids)
+
+    @property
+    def target_ids_stored(self) -> bool:
+        """Whether shards hold the verifier's greedy next-token ids (``target_ids``) per token."""
+        return self.targets == "argmax"
+
+    @property
+    def aux_layer_ids(self) -> tuple[int, ...]:
+        """The stored layers that are draft inputs: all of them in an ``argmax`` store, all but
+        the last (the verifier's final layer, the targets' source) in a ``states`` store."""
+        return self.layer_ids if self.target_ids_stored else self.layer_ids[:-1]
 
     @property
     def storage_dtype(self) -> np.dtype:
@@ -97,9 +128,12 @@ class StoreHeader:
         return self.num_layers * self.hidden_size * self.storage_dtype.itemsize
 
     def to_dict(self) -> dict:
-        """JSON-ready dict (``layer_ids`` as a list)."""
+        """JSON-ready dict (``layer_ids`` as a list; ``targets`` only when not ``"states"``, so a
+        version-2 header reads as before)."""
         d = asdict(self)
         d["layer_ids"] = list(self.layer_ids)
+        if self.targets == "states":
+            del d["targets"]
         return d
 
     @classmethod
@@ -127,6 +161,11 @@ class StoreHeader:
             if mine != theirs:
                 problems.append(f"{name}: store has {_show(mine)}, got {_show(theirs)}")
         return problems
+
+
+def format_version_for(targets: str) -> int:
+    """The lowest store format version that holds a store of ``targets``: 2, or 3 for ``argmax``."""
+    return 3 if targets == "argmax" else 2
 
 
 def _show(value: Any) -> str:

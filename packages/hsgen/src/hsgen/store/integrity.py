@@ -22,9 +22,11 @@ def sample_matches(
     token_ids: np.ndarray,
     loss_mask: np.ndarray,
     scale: np.ndarray | None = None,
+    target_ids: np.ndarray | None = None,
 ) -> bool:
     """Whether the arrays (stored form) have the manifest ``checksum``."""
-    return C.checksum_like(checksum, C.sample_arrays(hidden, token_ids, loss_mask, scale)) == checksum
+    arrays = C.sample_arrays(hidden, token_ids, loss_mask, scale, target_ids)
+    return C.checksum_like(checksum, arrays) == checksum
 
 
 def check_sample(
@@ -35,9 +37,11 @@ def check_sample(
     scale: np.ndarray | None = None,
     *,
     store: str = "",
+    target_ids: np.ndarray | None = None,
 ) -> None:
-    """Raise :class:`CorruptSample` (naming store, shard and sample) unless the bytes match ``record``."""
-    got = C.checksum_like(record.checksum, C.sample_arrays(hidden, token_ids, loss_mask, scale))
+    """Raise :class:`CorruptSample` (naming store, shard and sample) unless the bytes match ``record``
+    (``target_ids``: the verifier's target ids of an ``argmax`` store, covered by its checksum)."""
+    got = C.checksum_like(record.checksum, C.sample_arrays(hidden, token_ids, loss_mask, scale, target_ids))
     if got != record.checksum:
         where = f"{store}/{record.shard}" if store else record.shard
         raise CorruptSample(

@@ -116,7 +116,8 @@ def dedupe(store: HiddenStateStore, *, dry_run: bool, shard_bytes: int = 32 << 2
         with store.writer(f"gc-{default_writer_id()}", shard_bytes=shard_bytes) as w:
             for info, ids in rewrite:
                 for sample in store.read_many(ids, verify=True):
-                    w.add(sample.sample_id, sample.hidden_states, sample.token_ids, sample.loss_mask)
+                    w.add(sample.sample_id, sample.hidden_states, sample.token_ids, sample.loss_mask,
+                          target_ids=sample.target_ids)  # fmt: skip
                 log.info(
                     "gc: %s copied without its %d duplicate samples", info.name, len(info.rows) - len(ids)
                 )
@@ -237,11 +238,7 @@ def _intact_rows(store: HiddenStateStore, shard: str):
         kept, dropped = [], 0
         for sid, off, n, crc in table:
             try:
-                hidden, ids, mask, scale = reader.read(off, n)
-                ok = (
-                    C.checksum_like(crc, [hidden] + ([scale] if scale is not None else []) + [ids, mask])
-                    == crc
-                )
+                ok = C.checksum_like(crc, reader.stored_arrays(off, n)[0]) == crc
             except (StoreError, OSError, EOFError, ValueError):
                 ok = False
             if ok:

@@ -37,6 +37,8 @@ class Sample:
         token_ids: ``[T]`` int64.
         loss_mask: ``[T]`` uint8, 1 = train on this token's prediction.
         dtype: logical dtype of ``hidden_states``.
+        target_ids: ``[T]`` int32, the verifier's greedy next token after each position, in a
+            store of ``targets = "argmax"`` (None otherwise: the last layer holds the targets).
     """
 
     sample_id: str
@@ -44,6 +46,7 @@ class Sample:
     token_ids: np.ndarray
     loss_mask: np.ndarray
     dtype: str
+    target_ids: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -30,6 +30,12 @@ class PendingSample:
     hidden: np.ndarray
     token_ids: np.ndarray
     loss_mask: np.ndarray
+    target_ids: np.ndarray | None = None
+    """``[T]`` int32 verifier argmax per token (``argmax`` stores only)."""
+
+
+TARGET_IDS = "target_ids"
+"""Per-token array of ``argmax`` stores: the verifier's greedy next token after each position."""
 
 
 @dataclass
@@ -109,9 +115,8 @@ def write_shard(
     def sums() -> list[str]:
         out = []
         for i, s in enumerate(samples):
-            arrays = (
-                [hidden_parts[i]] + ([scale_parts[i]] if scale_parts else []) + [s.token_ids, s.loss_mask]
-            )
+            scale = scale_parts[i] if scale_parts else None
+            arrays = C.sample_arrays(hidden_parts[i], s.token_ids, s.loss_mask, scale, s.target_ids)
             out.append(C.checksum(arrays, C.write_checksum(header.format_version)))
         return out
 
@@ -130,6 +135,8 @@ def write_shard(
         plain = [("token_ids", [s.token_ids for s in samples]), ("loss_mask", [s.loss_mask for s in samples])]
         if scale_parts:
             plain.append(("hidden_scale", scale_parts))
+        if header.target_ids_stored:
+            plain.append((TARGET_IDS, [s.target_ids for s in samples]))
         for name, parts in plain:
             shape = [tokens, *parts[0].shape[1:]]
             chunk_dir = tmp / name / "c"
@@ -375,6 +382,20 @@ class ShardReader:
             scale,
         )
 
+    def read_targets(self, offset: int, length: int, out: np.ndarray | None = None) -> np.ndarray | None:
+        """The verifier's target ids ``[length]`` int32 of rows ``[offset, offset + length)``
+        (into ``out`` when given), or None when the store keeps final-layer states instead."""
+        if not self.header.target_ids_stored:
+            return None
+        return self._read_plain(TARGET_IDS, offset, length, out)
+
+    def stored_arrays(self, offset: int, length: int) -> tuple[list[np.ndarray], np.ndarray | None]:
+        """``(arrays, target_ids)`` of rows ``[offset, offset + length)``: the arrays in checksum
+        order (:func:`hsgen.store.codecs.sample_arrays`), ``hidden, token_ids, loss_mask`` first."""
+        hidden, token_ids, loss_mask, scale = self.read(offset, length)
+        targets = self.read_targets(offset, length)
+        return C.sample_arrays(hidden, token_ids, loss_mask, scale, targets), targets
+
     def read_into(
         self,
         offset: int,
@@ -385,6 +406,7 @@ class ShardReader:
         *,
         checksum: str | None = None,
         piece_bytes: int = 1 << 20,
+        target_ids: np.ndarray | None = None,
     ) -> str | None:
         """Read rows ``[offset, offset + length)`` straight into the caller's arrays.
 
@@ -392,7 +414,9 @@ class ShardReader:
         dtype (fp8 shards are decoded into it); ``token_ids`` ``[length]`` int64; ``loss_mask``
         ``[length]`` uint8. Uncompressed rows are read with ``preadv`` in pieces of
         ``piece_bytes``; with ``checksum`` (the manifest's string) each piece is checksummed right
-        after it lands, while it is still in cache. Other layouts go through :meth:`read`.
+        after it lands, while it is still in cache. Other layouts go through :meth:`read`. In an
+        ``argmax`` store the target ids land in ``target_ids`` (``[length]`` int32; read and
+        checked all the same when it is None).
 
         Returns:
             The checksum of the stored bytes (same algorithm as ``checksum``), or None without one.
@@ -433,16 +457,17 @@ class ShardReader:
             extra: list[np.ndarray] = []
         else:
             stored, tokens, mask, scale = self.read(offset, length)
+            targets = self.read_targets(offset, length, target_ids)
             np.copyto(hidden.view(STORAGE_DTYPES[self.dtype]), self.decode(stored, scale))
             np.copyto(token_ids, tokens)
             np.copyto(loss_mask, mask)
             if stream is None:
                 return None
-            return C.checksum_like(
-                checksum, [stored] + ([scale] if scale is not None else []) + [tokens, mask]
-            )
+            return C.checksum_like(checksum, C.sample_arrays(stored, tokens, mask, scale, targets))
         for name, out in (("token_ids", token_ids), ("loss_mask", loss_mask)):
             extra.append(self._read_plain(name, offset, length, out))
+        if self.header.target_ids_stored:
+            extra.append(self._read_plain(TARGET_IDS, offset, length, target_ids))
         if stream is None:
             return None
         for a in extra:

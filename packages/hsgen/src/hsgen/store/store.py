@@ -85,7 +85,11 @@ class HiddenStateStore:
             (path / "manifests").mkdir(parents=True, exist_ok=True)
             (path / "shards").mkdir(exist_ok=True)
             fsync_dir(path)
-            doc = {"format": STORE_FORMAT, "format_version": FORMAT_VERSION, "header": header.to_dict()}
+            doc = {
+                "format": STORE_FORMAT,
+                "format_version": header.format_version,
+                "header": header.to_dict(),
+            }
             if atomic_write_exclusive(header_file, json.dumps(doc, indent=2).encode() + b"\n"):
                 log.info("created store %s", path)
                 return cls.open(path)
@@ -249,14 +253,17 @@ class HiddenStateStore:
     def _read_row(self, reader: ShardReader, info: ShardInfo, i: int, verify: bool) -> Sample:
         sid, offset, length, checksum = info.rows[i]
         hidden, token_ids, loss_mask, scale = reader.read(offset, length)
+        targets = reader.read_targets(offset, length)
         if verify:
             record = SampleRecord(sid, info.name, offset, length, checksum)
-            check_sample(record, hidden, token_ids, loss_mask, scale, store=str(self.path))
-        return Sample(sid, reader.decode(hidden, scale), token_ids, loss_mask, self.header.dtype)
+            check_sample(
+                record, hidden, token_ids, loss_mask, scale, store=str(self.path), target_ids=targets
+            )
+        return Sample(sid, reader.decode(hidden, scale), token_ids, loss_mask, self.header.dtype, targets)
 
     def read_into(
         self, sample_id: str, hidden: np.ndarray, token_ids: np.ndarray, loss_mask: np.ndarray, *,
-        verify: bool = False,
+        verify: bool = False, target_ids: np.ndarray | None = None,
     ) -> SampleRecord:  # fmt: skip
         """Read one live sample straight into the caller's buffers (no intermediate copy for raw shards).
 
@@ -266,6 +273,7 @@ class HiddenStateStore:
             token_ids: ``[length]`` int64.
             loss_mask: ``[length]`` uint8.
             verify: check the checksum as the bytes land (StoreError naming store, shard and sample).
+            target_ids: ``[length]`` int32, filled in an ``argmax`` store (ignored otherwise).
 
         Returns:
             The sample's manifest record.
@@ -275,7 +283,13 @@ class HiddenStateStore:
         entry = self._acquire(info.name)
         try:
             got = entry.reader.read_into(
-                offset, length, hidden, token_ids, loss_mask, checksum=checksum if verify else None
+                offset,
+                length,
+                hidden,
+                token_ids,
+                loss_mask,
+                checksum=checksum if verify else None,
+                target_ids=target_ids,
             )
         finally:
             self._release(entry)

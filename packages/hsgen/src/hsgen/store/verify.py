@@ -12,7 +12,7 @@ from hsgen.progress import progress_bar
 from . import codecs as C
 from .errors import StoreError
 from .header import StoreHeader
-from .shard import ShardReader
+from .shard import TARGET_IDS, ShardReader
 
 if TYPE_CHECKING:
     from .manifest import ShardInfo
@@ -64,6 +64,8 @@ def _verify_shard(store: HiddenStateStore, info: ShardInfo, reader: ShardReader,
         }
         if reader.codec == "fp8":
             expect["hidden_scale"] = ((info.tokens, header.num_layers), np.dtype(np.float32))
+        if header.target_ids_stored:
+            expect[TARGET_IDS] = ((info.tokens,), np.dtype(np.int32))
         for name, (shape, dtype) in expect.items():
             meta = reader.meta(name)
             if tuple(meta["shape"]) != shape or meta["data_type"] != dtype.name:
@@ -90,14 +92,15 @@ def _verify_shard(store: HiddenStateStore, info: ShardInfo, reader: ShardReader,
         try:
             if offset + length > info.tokens:
                 raise ValueError(f"rows {offset}..{offset + length} exceed the shard's {info.tokens} tokens")
-            hidden, token_ids, loss_mask, scale = reader.read(offset, length)
-            got = C.checksum_like(
-                checksum, [hidden] + ([scale] if scale is not None else []) + [token_ids, loss_mask]
-            )
+            arrays, targets = reader.stored_arrays(offset, length)
+            got = C.checksum_like(checksum, arrays)
             if got != checksum:
                 raise ValueError(f"checksum {got} != manifest {checksum}")
+            loss_mask = arrays[-2 if targets is not None else -1]
             if loss_mask.size and loss_mask.max() > 1:
                 raise ValueError("loss_mask holds values other than 0/1")
+            if targets is not None and targets.size and targets.min() < 0:
+                raise ValueError("target_ids holds negative token ids")
         except (StoreError, OSError, EOFError, ValueError) as e:
             problems.append(f"{where}: sample {sid!r}: {e}")
         bar.update(length)

@@ -51,6 +51,28 @@ def remove_tree(path: Path) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
+def _check_targets(sample_id: str, target_ids, tokens: int, stored: bool) -> np.ndarray | None:
+    """``target_ids`` as contiguous int32, checked against the store's ``targets``."""
+    if not stored:
+        if target_ids is not None:
+            raise ValueError(
+                f"sample {sample_id!r}: target_ids given, but the store keeps final-layer states"
+            )
+        return None
+    if target_ids is None:
+        raise ValueError(
+            f"sample {sample_id!r}: the store keeps target ids (targets argmax): pass target_ids"
+        )
+    t = np.asarray(target_ids)
+    if t.shape != (tokens,) or (t.size and t.dtype.kind not in "iu"):
+        raise ValueError(
+            f"sample {sample_id!r}: target_ids must be [{tokens}] integers, got shape {t.shape} dtype {t.dtype}"
+        )
+    if t.size and (int(t.min()) < 0 or int(t.max()) > np.iinfo(np.int32).max):
+        raise ValueError(f"sample {sample_id!r}: target_ids must be token ids in [0, 2^31)")
+    return np.ascontiguousarray(t, dtype="<i4")
+
+
 class ShardWriter:
     """Appends samples to a store. One per process or thread; use as a context manager.
 
@@ -145,7 +167,9 @@ class ShardWriter:
                 inflight = len(self._inflight[1])
         return len(self._pending) + inflight
 
-    def add(self, sample_id: str, hidden_states: np.ndarray, token_ids, loss_mask=None) -> None:
+    def add(
+        self, sample_id: str, hidden_states: np.ndarray, token_ids, loss_mask=None, *, target_ids=None
+    ) -> None:
         """Buffer one whole sample; writes a shard when the buffer reaches ``shard_bytes``.
 
         Args:
@@ -154,6 +178,8 @@ class ShardWriter:
                 ml_dtypes bfloat16 array is accepted too).
             token_ids: ``[T]`` integer token ids.
             loss_mask: ``[T]`` 0/1 values; ``None`` means all ones.
+            target_ids: ``[T]`` non-negative token ids, the verifier's greedy next token after
+                each position: required by an ``argmax`` store, refused by any other.
 
         Raises:
             ValueError: a shape, dtype or value does not fit the store header.
@@ -194,10 +220,11 @@ class ShardWriter:
             if m.size and not np.isin(m, (0, 1)).all():
                 raise ValueError(f"sample {sample_id!r}: loss_mask values must be 0 or 1")
             mask = np.ascontiguousarray(m, dtype=np.uint8)
+        targets = _check_targets(sample_id, target_ids, tokens, h.target_ids_stored)
         nbytes = hidden.nbytes
         if self._pending and self._pending_bytes + nbytes > self.shard_bytes:
             self._flush_background()
-        self._pending.append(PendingSample(sample_id, np.ascontiguousarray(hidden), ids, mask))
+        self._pending.append(PendingSample(sample_id, np.ascontiguousarray(hidden), ids, mask, targets))
         self._pending_ids.add(sample_id)
         self._pending_bytes += nbytes
         if self._pending_bytes >= self.shard_bytes:

@@ -92,13 +92,14 @@ class OnlineStores:
         else:
             path = choose_scratch_dir(cfg.save_path, cfg.rank, need_bytes, split=cfg.split)
         scratch = open_scratch_store(path, self.header)
+        # the training and validation sources of one process write at once: each its own writer id
+        split = "" if cfg.split == "train" else f"{cfg.split}-"
+        writer_id = f"online-{split}rank{cfg.rank}-{os.getpid()}"
         self.scratch = scratch
         self.scratch_path = path
         # no fsync: a scratch store is throwaway, a killed process's writes survive without it, and a
         # sample torn by a power loss fails its checksum when a later run reads it
-        self.scratch_writer = scratch.writer(
-            f"online-rank{cfg.rank}-{os.getpid()}", shard_bytes=1 << 62, fsync=False
-        )
+        self.scratch_writer = scratch.writer(writer_id, shard_bytes=1 << 62, fsync=False)
         sizes = {sid: self.bytes_for(scratch.record(sid).length) for sid in scratch.sample_ids()}
         if sizes:
             log.info(
@@ -110,7 +111,7 @@ class OnlineStores:
         if cfg.cache_generated:
             if self.store is None:
                 self.store = HiddenStateStore.create(Path(cfg.store), self.header, exist_ok=True)
-            self.main_writer = self.store.writer(f"online-rank{cfg.rank}-{os.getpid()}", shard_bytes=1 << 62)
+            self.main_writer = self.store.writer(writer_id, shard_bytes=1 << 62)
         return sizes
 
     def refresh_main(self) -> bool:
