@@ -218,7 +218,7 @@ def test_train_online_delete_consumed(vllm_extract, vllm_model_dir, sample_chats
     per_epoch = consumed_ids(tmp_path / "save")
     assert sorted(per_epoch) == [0, 1] and all(sorted(v) == sorted(ids) for v in per_epoch.values())
     data = last_data_metrics(tmp_path / "save")
-    assert data["samples_failed"] == 0 and data["samples_generated"] == 2 * len(ids)
+    assert data["samples_failed"] == 0 and len(ids) <= data["samples_generated"] <= 2 * len(ids), data
     assert not (tmp_path / "scratch").exists(), "every consumed sample was deleted"
     assert os.listdir(shared) == [], "every server file was handed off and removed"
     assert (tmp_path / "save" / "latest").is_file()
