@@ -101,6 +101,7 @@ class Verifier:
             else:
                 self._handles.append(layers[k - 1].register_forward_hook(self._post_hook(k)))
         self._cache = None
+        self._tokens: list[int] = []  # what the cache holds
         self.forwards = 0
         params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
@@ -130,10 +131,11 @@ class Verifier:
     def reset(self) -> None:
         """Forget the cached context (start of a new prompt)."""
         self._cache = None
+        self._tokens = []
 
     @property
     def cached_tokens(self) -> int:
-        return 0 if self._cache is None else int(self._cache.get_seq_length())
+        return len(self._tokens)
 
     @torch.inference_mode()
     def extend(self, token_ids: Sequence[int]) -> tuple[list[int], torch.Tensor]:
@@ -152,6 +154,7 @@ class Verifier:
         ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
         self._captured.clear()
         out = self.model(input_ids=ids, **{self._cache_kwarg: self._cache}, use_cache=True)
+        self._tokens.extend(int(t) for t in token_ids)
         self.forwards += 1
         preds = out.logits[0].argmax(dim=-1).tolist()
         if self.layer_ids:
@@ -162,12 +165,31 @@ class Verifier:
         return [int(p) for p in preds], hidden
 
     def truncate(self, length: int) -> None:
-        """Keep only the first ``length`` cached tokens."""
+        """Keep only the first ``length`` cached tokens.
+
+        A cache that cannot be cut back (a sliding-window layer past its window, a linear-attention
+        layer's recurrent state: Gemma, gpt-oss, Mistral, Qwen3-Next / Qwen3.5) is rebuilt from the
+        kept tokens in one forward, so the context stays exactly the verifier's own."""
         extra = self.cached_tokens - length
         if extra < 0:
             raise ValueError(f"cannot truncate a {self.cached_tokens}-token cache to {length}")
-        if extra:
+        if not extra:
+            return
+        if self._croppable():
             self._cache.crop(-extra)
+            del self._tokens[length:]
+            return
+        kept = self._tokens[:length]
+        self.reset()
+        if kept:
+            self.extend(kept)
+            self.forwards -= 1  # a rebuild, not a verification step
+
+    def _croppable(self) -> bool:
+        layers = getattr(self._cache, "layers", None)
+        if layers is None:
+            return True
+        return all(type(layer).__name__ == "DynamicLayer" for layer in layers)
 
     def greedy(self, prompt_ids: Sequence[int], max_new_tokens: int) -> list[int]:
         """The verifier's own greedy continuation (stops after an EOS token)."""
@@ -484,7 +506,9 @@ def load_prompts(
 
 def load_verifier(path: str | Path, layer_ids: Sequence[int], *, dtype: str = "float64", device: str = "cpu"):
     """Load a local HF causal LM as a :class:`Verifier`; returns ``(verifier, tokenizer)``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from hsgen.serve.hidden import load_causal_lm
 
     path = Path(path)
     if not (path / "config.json").is_file():
@@ -494,7 +518,7 @@ def load_verifier(path: str | Path, layer_ids: Sequence[int], *, dtype: str = "f
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r}: choose one of {sorted(DTYPES)}")
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], local_files_only=True)
+    model = load_causal_lm(path, DTYPES[dtype])
     model.to(device).eval()
     eos: set[int] = set()
     for source in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):

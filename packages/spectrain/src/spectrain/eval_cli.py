@@ -9,7 +9,8 @@ from typing import Any
 
 import click
 
-from spectrain.eval import DTYPES
+DTYPES = ("bfloat16", "float16", "float32", "float64")
+"""``spectrain.eval.DTYPES``' names, spelled here so ``--help`` does not import torch (a test keeps them equal)."""
 
 
 def format_report(report: dict[str, Any]) -> str:

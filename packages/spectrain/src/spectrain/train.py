@@ -203,7 +203,8 @@ class Trainer:
         return PackedLoader(
             source, plan, start=start, total_seq_len=self.cfg.total_seq_len, layers=self.layer_index,
             hidden_dtype=self.hidden_dtype, num_workers=self.cfg.num_workers,
-            pin_memory=self.device.type == "cuda", prefetch=self.cfg.prefetch, read_threads=self.cfg.read_threads,
+            pin_memory=self.device.type == "cuda", prefetch=self.cfg.prefetch,
+            read_threads=max(self.cfg.read_threads, getattr(source, "reads_in_flight", 0)),  # object storage: more
             ahead=self.cfg.grad_accum + 1, device=self.device, buffers=self._buffers,
         )  # fmt: skip
 
