@@ -35,6 +35,7 @@ import torch.distributed as dist
 from spectrain.checkpoint import (
     LATEST,
     STATE_DIR,
+    check_resume,
     find_resume,
     full_states,
     load_checkpoint_model,
@@ -116,6 +117,8 @@ class Trainer:
 
         vdtype = torch.bfloat16 if self.amp else torch.float32
         self.verifier = VerifierHeads.load(cfg.verifier, dtype=vdtype).to(self.device)
+        if self.state is not None:
+            check_resume(self.resume_dir, cfg, self.state["draft_config"], self.verifier.vocab_size)
         header = self.source.header
         check_header(cfg, header, self.verifier)
         self.hidden_dtype = TORCH_DTYPES.get(getattr(header, "dtype", "bfloat16"), torch.bfloat16)
@@ -187,7 +190,8 @@ class Trainer:
             self.plans = None
             if saved != plan:
                 log.warning(
-                    "epoch %d plan changed since the checkpoint (store grew?); continuing the saved plan",
+                    "epoch %d plan changed since the checkpoint (samples added to or removed from the store); "
+                    "continuing the saved plan",
                     epoch,
                 )
                 use = getattr(self.source, "use_plan", None)
@@ -203,7 +207,8 @@ class Trainer:
         return PackedLoader(
             source, plan, start=start, total_seq_len=self.cfg.total_seq_len, layers=self.layer_index,
             hidden_dtype=self.hidden_dtype, num_workers=self.cfg.num_workers,
-            pin_memory=self.device.type == "cuda", prefetch=self.cfg.prefetch, read_threads=self.cfg.read_threads,
+            pin_memory=self.device.type == "cuda", prefetch=self.cfg.prefetch,
+            read_threads=max(self.cfg.read_threads, getattr(source, "reads_in_flight", 0)),  # object storage: more
             ahead=self.cfg.grad_accum + 1, device=self.device, buffers=self._buffers,
         )  # fmt: skip
 
@@ -295,6 +300,9 @@ class Trainer:
                 self.position = 0
                 if self.val_source is not None and not cfg.val_every:
                     summary["validation"] = self.validate()
+            if window.steps:  # the last step is always logged, however short the run
+                self.checks.check()
+                self.metrics.write(self._train_record(window))
             # a signal's stop always saves (the run resumes there); the end of a run unless told not to
             if last_saved != self.global_step and (cfg.save_final or "stopped_by" in summary):
                 self.save()
@@ -367,7 +375,8 @@ class Trainer:
 
     def _train_record(self, window: LogWindow) -> dict[str, Any]:
         """The log record of the steps since the last one (reads the device: the log-interval sync)."""
-        return train_record(window, self.info, step=self.global_step, epoch=self.epoch, position=self.position,
+        epoch = self.epoch - 1 if self.position == 0 and self.epoch > 0 else self.epoch  # the step's epoch
+        return train_record(window, self.info, step=self.global_step, epoch=epoch, position=self.position,
                             lr=self.optimizer.lr, skipped=self.checks.skipped, source=self.source)  # fmt: skip
 
     @torch.no_grad()

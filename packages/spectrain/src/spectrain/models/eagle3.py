@@ -243,7 +243,10 @@ class Eagle3Draft(DraftModel):
         with torch.no_grad():
             target_hidden = self.verifier.norm(batch.last_hidden)
         targets = verifier_targets(
-            target_hidden, self.verifier.lm_head.index_select(0, draft_ids), cfg.target_mode
+            target_hidden,
+            self.verifier.lm_head.index_select(0, draft_ids),
+            cfg.target_mode,
+            softcap=self.verifier.softcap,
         )
         hidden = self.context_features(batch.aux_hidden.reshape(S, -1))
         keys, values = [], []
