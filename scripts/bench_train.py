@@ -150,7 +150,7 @@ def build(name: str, opts: dict, shape: dict, device, heads_dtype):
         model = build_draft(get_config_class(name)(aux_layer_ids=AUX_LAYERS, **opts), heads)
     if name == "eagle3":
         model.prepare(torch.arange(shape["vocab"], dtype=torch.float64))
-    if next(model.parameters()).device != torch.device(device):
+    if next(model.parameters()).device.type != torch.device(device).type:
         model.to(device)  # (fake tensors cannot be swapped in place, so only when it moves)
     return model.train(), heads
 

@@ -177,7 +177,9 @@ def test_run_all_keeps_to_its_deadline(tmp_path):
                PYTHON=_hanging_python(tmp_path, "bench_train.py"))  # fmt: skip
     t0 = time.monotonic()
     subprocess.run(["bash", str(GPU / "run_all.sh")], env=env, check=True, timeout=120, capture_output=True)
-    assert time.monotonic() - t0 < deadline + 10  # (the slack is for a loaded machine)
+    # the slack: the records after the deadline's last part, a second each on an idle machine, take
+    # several at load 20 on 2 cores
+    assert time.monotonic() - t0 < deadline + 30
     out = tmp_path / "out"
     parts = _parts(out)
     assert list(parts) == ["eager-dflash", "eager-eagle3", "serve"]
