@@ -74,3 +74,17 @@ def test_two_nodes_consume_each_sample_once_and_resume(tiny_store, tiny_model_di
     st = _state(save)
     assert st["loop"]["epoch"] == 1 and st["loop"]["global_step"] == first_step + 2
     assert not set(st["plans"][0]) & set(st["plans"][1])
+    left = {s for plan, pos in zip(st["plans"], st["loop"]["positions"], strict=True) for s in plan[pos:]}
+    assert left, "the two nodes left part of epoch 1 untrained"
+    # another node count: one process takes over what the two left of the epoch
+    cmd = [sys.executable, "-m", "spectrain.cli", "train", "--store", str(tiny_store), "--verifier",
+           str(tiny_model_dir), "--save-path", str(save), "--total-seq-len", "128", "--block-size", "4",
+           "--max-anchors", "16", "--num-layers", "1", "--epochs", "2", "--save-every", "0", "--log-every", "1",
+           "--val-fraction", "0", "--device", "cpu", "--max-steps", str(first_step + 4)]  # fmt: skip
+    r = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=400, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    one = _state(save)
+    assert one["loop"]["world_size"] == 1 and one["loop"]["global_step"] == first_step + 4
+    assert set(one["plans"][0]) == left, "the one process's plan is exactly what the two nodes left"
