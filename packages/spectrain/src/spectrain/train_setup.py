@@ -200,7 +200,7 @@ def build_model(cfg: TrainConfig, verifier: VerifierHeads, source: SampleSource,
     """
     draft_opts = dict(cfg.draft) if state is None else state["draft_config"]
     layers = verifier.info.num_hidden_layers
-    origin = "the servers' layers (--layer-ids)" if cfg.online else f"the layers of store {cfg.store}"
+    origin = "the servers' layers (--layer-ids)" if cfg.online else f"the store's layers ({cfg.store})"
     if cfg.from_pretrained and state is None:
         model = pretrained_draft(cfg, cfg.from_pretrained, verifier, draft_opts)
         layer_index = resolve_layers(model.cfg, source.header.layer_ids, layers, origin=origin)
