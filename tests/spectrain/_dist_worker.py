@@ -86,16 +86,16 @@ def control_rank(rank: int, world: int, port: int, out_dir: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from spectrain import train
+    from spectrain import distributed
 
     dist.init_process_group("gloo")
     real = dist.get_backend
     dist.get_backend = lambda group=None: "nccl" if group is None else real(group)
-    info = train.init_distributed(torch.device("cpu"))
+    info = distributed.init_distributed(torch.device("cpu"))
     dist.get_backend = real
     result = {
         "control_backend": None if info.control is None else dist.get_backend(info.control),
-        "min_each": train._all_min_each([rank + 1, 10 - rank], info),
+        "min_each": distributed.all_min_each([rank + 1, 10 - rank], info),
     }
     Path(out_dir, f"control{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()

@@ -406,6 +406,24 @@ def test_config_from_train_config(tiny_model_dir, tmp_path):
         OnlineConfig(["http://x"], ["p"], "s", "v", delete_consumed=True, cache_generated=True).validate()
 
 
+def test_node_local_endpoints_from_the_launcher(tiny_model_dir, tmp_path, monkeypatch):
+    from spectrain.train import TrainConfig
+
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    tc = TrainConfig(
+        verifier=str(tiny_model_dir),
+        save_path=str(tmp_path),
+        online=True,
+        endpoints=["http://localhost:{8000+local_rank}", "http://node{rank}:9000"],
+        prompts="p.jsonl",
+    )
+    cfg = OnlineConfig.from_train_config(tc, rank=3, world_size=4)
+    assert cfg.endpoints == ["http://localhost:8001", "http://node3:9000"]
+    tc.endpoints = ["http://a:1", "http://b:2", "http://c:3"]
+    tc.online_options = {"endpoint_per_local_rank": True}
+    assert OnlineConfig.from_train_config(tc, rank=3, world_size=4).endpoints == ["http://b:2"]
+
+
 def test_fatal_client_error_stops_with_a_clear_message(tiny_model_dir, prompts_file, tmp_path):
     with running_server(tiny_model_dir, LAYERS, tmp_path / "hs", api_key="secret", dtype="float32") as url:
         cfg = make_config(url, prompts_file, tiny_model_dir, tmp_path, api_key="wrong")

@@ -36,7 +36,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "wait": ("hsgen.wait_cli:wait", "Wait until servers answer GET /health (scripts, tutorials)."),
     "render": (
-        "hsgen.generate_cli:render",
+        "hsgen.render_cli:render",
         "Render conversations to token ids + loss masks (JSONL on stdout).",
     ),
     "generate": (

@@ -39,6 +39,7 @@ from hsgen.run_report import (
     RunReport,
 )
 from hsgen.saturate import SaturationConfig, Saturator
+from hsgen.store.claims import WorkClaims
 from hsgen.store.leases import (
     HEARTBEAT_S,
     Lease,
@@ -72,6 +73,11 @@ class GenerateConfig:
             waiting to be retried or for a server end at once).
         on_bad_input: ``"fail"`` stops at an id repeated with different content; ``"skip"``
             reports it and keeps the first.
+        join: share the store with other joined generators (``--join``): the input is cut into
+            chunks of ``join_chunk`` prompts, each requested by the one that claims it
+            (:mod:`hsgen.store.claims`); needs ``world_size == 1``. With a prompt factory
+            (a callable returning a fresh stream), the chunks of generators that died are done
+            again in further passes.
     """
 
     client: ClientConfig
@@ -87,8 +93,14 @@ class GenerateConfig:
     max_consecutive_failures: int = 200
     stop_grace_s: float = 30.0
     on_bad_input: str = "skip"
+    join: bool = False
+    join_chunk: int = 64
 
     def __post_init__(self) -> None:
+        if self.join and self.world_size > 1:
+            raise ValueError("--join shares the store by claims: it does not go with --world-size > 1")
+        if self.join_chunk < 1:
+            raise ValueError("join_chunk must be >= 1")
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
             raise ValueError(f"--rank must be in 0..{self.world_size - 1} (got rank {self.rank})")
         if self.max_buffer_bytes < 1:
@@ -109,7 +121,9 @@ async def generate(
 
     Args:
         config: servers, concurrency, sharding, limits.
-        prompts: rendered prompts (``Skipped`` items are only counted and logged).
+        prompts: rendered prompts (``Skipped`` items are only counted and logged), or a callable
+            returning a fresh stream of them each call (a joined run reads the input again to
+            do the chunks of generators that died).
         store: an open ``HiddenStateStore``, or a :class:`~hsgen.store_sink.LazyStore` (or any
             callable) creating it from the first fetched sample, for a store that does not
             exist yet (its header needs the shape).
@@ -203,7 +217,10 @@ class _Run:
                 rank=cfg.rank,
                 request_prefix=self.client.request_prefix,
                 shared_dir=cfg.client.shared_dir,
+                join=cfg.join,
             )
+            if cfg.join:
+                self.filter.claims = WorkClaims(self.sink.path, lease, cfg.join_chunk)
         except LeaseConflict as e:
             self.abort(str(e))
             return None
@@ -231,12 +248,8 @@ class _Run:
             heartbeat = asyncio.create_task(_heartbeat(lease)) if lease is not None else None
             try:
                 self.sink.start()
-                try:
-                    await self._dispatch(prompts)
-                except Exception as e:  # a bad input with --on-bad-input fail, an unreadable file, ...
-                    self.abort(str(e))
+                await self._passes(prompts)
                 interrupted = self.stop.is_set() and self.report.summary.fatal is None
-                await self._drain()
                 await self.sink.close()
                 if self.config.client.delete_files:
                     self.report.summary.orphans_removed += self.client.remove_own_files()
@@ -251,6 +264,44 @@ class _Run:
         if not self.filter.seen_any and not self.report.summary.fatal:
             log.warning("the input holds no prompts: nothing to do")
         return interrupted
+
+    async def _passes(self, prompts) -> None:
+        """Request the admitted prompts; a joined run then waits for the other generators and
+        does again the chunks of those that died (another pass over a fresh prompt stream)."""
+        claims = self.filter.claims
+        factory = prompts if callable(prompts) else None
+        stream = factory() if factory is not None else prompts
+        while True:
+            try:
+                await self._dispatch(stream)
+            except Exception as e:  # a bad input with --on-bad-input fail, an unreadable file, ...
+                self.abort(str(e))
+            await self._drain()
+            if claims is None or self.stop.is_set():
+                return
+            await self.sink.flush()
+            if self.sink.failed:
+                return
+            claims.mark_done()
+            redo = await self._wait_for_others(claims)
+            if not redo:
+                return
+            if factory is None:
+                log.warning("%d chunks of generators that died are left: run again with --join", len(redo))
+                return
+            log.info("doing again %d chunks of generators that died", len(redo))
+            self.sink.refresh()
+            self.filter.restart(redo)
+            stream = factory()
+
+    async def _wait_for_others(self, claims: WorkClaims) -> set[int]:
+        """Wait while live joined generators hold chunks; returns the chunks of dead ones."""
+        while not self.stop.is_set():
+            dead, held = claims.unfinished()
+            if dead or not held:
+                return dead
+            await asyncio.sleep(0.5)
+        return set()
 
     async def _dispatch(self, prompts) -> None:
         """Start one request task per admitted prompt, within the memory bound and free server slots."""

@@ -97,6 +97,25 @@ class PromptFilter:
         """Set when a prompt arrives after ``max_samples`` were admitted: stop reading."""
         self.seen_any = False
         self._seen: dict[str, bytes] = {}
+        self.claims: Any = None
+        """A :class:`~hsgen.store.claims.WorkClaims` when joined: only claimed chunks are admitted."""
+        self._pos = 0
+        self._decided: dict[int, bool] = {}
+        self._only: set[int] | None = None
+
+    def restart(self, only: set[int]) -> None:
+        """Start another pass over the same input, admitting only prompts of the chunks ``only``."""
+        self._pos, self._seen, self._decided, self._only = 0, {}, {}, set(only)
+
+    def _claimed(self, pos: int, store: Any) -> bool:
+        c = pos // self.claims.chunk
+        got = self._decided.get(c)
+        if got is None:
+            before = self.claims.taken_over
+            got = self._decided[c] = self.claims.claim(c)
+            if self.claims.taken_over != before and store is not None:
+                store.refresh()  # what the dead claimant committed is not requested again
+        return got
 
     def admit(self, item: RenderedPrompt | Skipped, store: Any) -> RenderedPrompt | None:
         """``item`` if it should be requested now, else None (and the reason is counted).
@@ -106,7 +125,15 @@ class PromptFilter:
         """
         s = self.report.summary
         self.seen_any = True
+        pos = self._pos
+        self._pos += 1
+        if self._only is not None and pos // self.claims.chunk not in self._only:
+            if not isinstance(item, Skipped):
+                self._seen.setdefault(item.sample_id, content_digest(item))
+            return None
         if isinstance(item, Skipped):
+            if self.claims is not None and not self._claimed(pos, store):
+                return None
             if item.reason == "too_long":
                 s.too_long += 1
             else:
@@ -126,6 +153,9 @@ class PromptFilter:
                 s.duplicates += 1
             return None
         self._seen[sid] = digest
+        if self.claims is not None and not self._claimed(pos, store):
+            s.other_writer += 1
+            return None
         if store is not None and sid in store:
             s.already_done += 1
             return None

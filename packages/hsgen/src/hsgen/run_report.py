@@ -33,6 +33,7 @@ class GenerateSummary:
     stored: int = 0
     already_done: int = 0
     other_rank: int = 0
+    other_writer: int = 0
     duplicates: int = 0
     duplicate_conflicts: int = 0
     failed: int = 0

@@ -10,6 +10,7 @@ exceed ``max_buffer_bytes``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -138,6 +139,24 @@ class StoreSink:
             self._buffered += sample.nbytes
         await self._queue.put(sample)
 
+    def refresh(self) -> None:
+        """See samples other writers committed (opens the store if another writer created it)."""
+        if self.store is None and self.path is not None:
+            from hsgen.store import HiddenStateStore, StoreError
+
+            with contextlib.suppress(StoreError):
+                self.store = HiddenStateStore.open(self.path)
+        elif self.store is not None:
+            self.store.refresh()
+
+    async def flush(self) -> None:
+        """Return once every sample queued so far is committed (or the writer has failed)."""
+        if self.task is None or self.task.done():
+            return
+        done = asyncio.get_running_loop().create_future()
+        await self._queue.put(done)  # type: ignore[arg-type]
+        await asyncio.wait({done, self.task}, return_when=asyncio.FIRST_COMPLETED)
+
     async def wake(self) -> None:
         """Wake tasks waiting for room (after ``stop`` was set)."""
         async with self._room:
@@ -163,6 +182,12 @@ class StoreSink:
                     sample = False  # type: ignore[assignment]
                 if sample is None:
                     break
+                if isinstance(sample, asyncio.Future):
+                    if self._writer is not None and self._writer.pending:
+                        await loop.run_in_executor(self._exec, self._writer.flush)
+                        last_commit = time.monotonic()
+                    sample.set_result(None)
+                    continue
                 if sample is not False:
                     await self._add(sample)
                 w = self._writer

@@ -1,6 +1,6 @@
 """``spectrain report SAVE_PATH``: a training run's metrics as PNG charts and one HTML page.
 
-Reads ``<save_path>/metrics.jsonl`` (written by :class:`spectrain.train.MetricsLog`) and,
+Reads ``<save_path>/metrics.jsonl`` (written by :class:`spectrain.metrics.MetricsLog`) and,
 when given or found, the JSON of ``spectrain eval --json``. Writes into ``<save_path>/report/``
 (or ``out_dir``):
 

@@ -208,3 +208,13 @@ class StepChecks:
             return None
         value = float(self._last_loss)
         return None if value != value else value
+
+
+def step_generator(
+    seed: int, step: int, rank: int, micro: int, device: torch.device | str = "cpu"
+) -> torch.Generator:
+    """The RNG of one micro-step (anchors) on ``device``: a pure function of the step, so resume
+    repeats it (seeding a CUDA generator sets host-side state only: no sync)."""
+    g = torch.Generator(device=device)
+    g.manual_seed((seed * 1_000_003 + step * 9_176 + rank * 131 + micro) % (2**63))
+    return g

@@ -82,7 +82,7 @@ def _resolve_verifier(data: dict[str, Any], revision: str | None) -> None:
 
 def build_train_config(params: dict[str, Any]):
     """Merge defaults < ``--config`` file < flags given on the command line into a TrainConfig."""
-    from spectrain.train import TrainConfig, load_config_file
+    from spectrain.train_config import TrainConfig, load_config_file
 
     data: dict[str, Any] = {}
     if params.get("config"):
@@ -452,8 +452,8 @@ def train(**params: Any) -> None:
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     from hsgen.store.errors import StoreError
-    from spectrain.train import redact_secrets
     from spectrain.train import train as run_train
+    from spectrain.train_config import redact_secrets
 
     try:
         summary = run_train(cfg)
@@ -503,8 +503,8 @@ def export(checkpoint: str, out_dir: str, verifier: str | None, verifier_name: s
            include_embeddings: bool) -> None:  # fmt: skip
     """Re-export CHECKPOINT (a spectrain checkpoint directory) to OUT_DIR for vLLM."""
     _setup_logging()
+    from spectrain.checkpoint import load_checkpoint_model
     from spectrain.export import export_draft
-    from spectrain.train import load_checkpoint_model
 
     if verifier:
         data = {"verifier": verifier}

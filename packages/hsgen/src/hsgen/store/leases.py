@@ -7,7 +7,10 @@ whose lock is free is dead. Leases are taken under ``<store>/.leases/.mutex``, s
 generators starting together see each other.
 
 A new generator refuses to start while a live lease has its rank (the same work would be done
-twice) or another world size (the two splits would overlap). The files a dead generator left in
+twice) or another world size (the two splits would overlap). Generators started with ``join``
+(``hsgen generate --join``) share the work instead: they claim chunks of the input in
+``<store>/.leases/claims`` (:mod:`hsgen.store.claims`); a joined and a plain generator refuse
+each other, so a mistaken second run is still refused. The files a dead generator left in
 the servers' shared directory are found by its prefix and removed at the next start or by
 ``hsgen gc --shared-dir DIR``; a dead lease is forgotten once it is older than ``KEEP_DEAD_S``
 (a server may still write a killed client's last files for a moment). The directory starts with
@@ -23,6 +26,7 @@ import json
 import logging
 import os
 import secrets
+import shutil
 import socket
 import time
 from dataclasses import dataclass
@@ -34,6 +38,8 @@ from .fsutil import is_locked, try_lock
 log = logging.getLogger(__name__)
 
 LEASE_DIR = ".leases"
+CLAIMS_DIR = "claims"
+"""Under ``LEASE_DIR``: the work claims of joined generators (reset when the first one joins)."""
 KEEP_DEAD_S = 600.0
 """A dead lease is kept (and its prefix swept) for this long after its last heartbeat."""
 HEARTBEAT_S = 30.0
@@ -67,8 +73,11 @@ class LeaseInfo:
     rank: int
     host: str
     pid: int
+    join: bool = False
 
     def describe(self) -> str:
+        if self.join:
+            return f"pid {self.pid} on {self.host}, joined (--join)"
         return f"pid {self.pid} on {self.host}, rank {self.rank} of --world-size {self.world_size}"
 
 
@@ -97,6 +106,7 @@ def read_leases(store_path: str | os.PathLike[str]) -> list[LeaseInfo]:
                     rank=int(doc["rank"]),
                     host=str(doc.get("host", "?")),
                     pid=int(doc.get("pid", 0)),
+                    join=bool(doc.get("join", False)),
                 )
             )
         except FileNotFoundError:
@@ -149,11 +159,16 @@ def acquire_lease(
     rank: int,
     request_prefix: str,
     shared_dir: str = "",
+    join: bool = False,
 ) -> Lease:
     """Take a lease on the store at ``store_path`` (created as a directory if missing).
 
+    With ``join`` the lease shares the store with other joined ones (they split the work by
+    claims); the first joined lease while no other is live clears the claims of earlier runs.
+
     Raises:
-        LeaseConflict: a live lease has the same rank, or another world size.
+        LeaseConflict: a live lease has the same rank, or another world size; or one of the two
+            is joined and the other is not.
         OSError: the store directory cannot be written (the message names it).
     """
     d = Path(store_path) / LEASE_DIR
@@ -162,8 +177,19 @@ def acquire_lease(
     try:
         if not try_lock(mutex, attempts=200, delay=0.05):
             raise LeaseConflict(f"{d / '.mutex'}: still locked after 10 s (a generator is starting?)")
-        for other in read_leases(store_path):
-            if not other.live:
+        live = [other for other in read_leases(store_path) if other.live]
+        for other in live:
+            if join != other.join:
+                if join:
+                    raise LeaseConflict(
+                        f"{store_path} is being filled by a generator that did not --join ({other.describe()}): "
+                        f"wait for it, or restart both with --join"
+                    )
+                raise LeaseConflict(
+                    f"{store_path} is being filled by joined generators ({other.describe()}): "
+                    f"add --join to help them, or wait"
+                )
+            if join:
                 continue
             if other.world_size != world_size:
                 raise LeaseConflict(
@@ -175,6 +201,8 @@ def acquire_lease(
                     f"{store_path} is already being filled by rank {rank} ({other.describe()}): "
                     f"run several generators with --world-size N and a different --rank each, or wait"
                 )
+        if join and not live:
+            shutil.rmtree(d / CLAIMS_DIR, ignore_errors=True)
         host = socket.gethostname()
         path = d / f"{host}-{os.getpid()}-{secrets.token_hex(4)}.json"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
@@ -188,6 +216,7 @@ def acquire_lease(
                 "host": host,
                 "pid": os.getpid(),
                 "started": round(time.time(), 3),
+                "join": join,
             }
             os.write(fd, json.dumps(doc).encode() + b"\n")
             os.fsync(fd)
@@ -197,7 +226,9 @@ def acquire_lease(
             raise
     finally:
         os.close(mutex)
-    info = LeaseInfo(path, True, 0.0, request_prefix, doc["shared_dir"], world_size, rank, host, os.getpid())
+    info = LeaseInfo(
+        path, True, 0.0, request_prefix, doc["shared_dir"], world_size, rank, host, os.getpid(), join
+    )
     return Lease(info, fd)
 
 
@@ -253,6 +284,7 @@ def sweep_dead_leases(
 
 
 __all__ = [
+    "CLAIMS_DIR",
     "HEARTBEAT_S",
     "KEEP_DEAD_S",
     "LEASE_DIR",

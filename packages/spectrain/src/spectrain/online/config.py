@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hsgen.client_types import normalize_endpoint
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -69,6 +72,9 @@ class OnlineConfig:
         shard_bytes: scratch shard size; default ``scratch_bytes / 8`` within [256 KiB, 8 MiB].
         flush_interval_s: longest a fetched sample waits in the writer buffer before commit.
         store_refresh_s: how often the offline store's manifests are re-read (mixed runs).
+        endpoint_per_local_rank: each rank talks only to the ``LOCAL_RANK``-th of ``endpoints``
+            (modulo their number): one node-local server per GPU. Endpoints may also be templates,
+            ``http://localhost:{8000+local_rank}`` (see :mod:`hsgen.launcher`).
     """
 
     endpoints: list[str]
@@ -105,10 +111,11 @@ class OnlineConfig:
     shard_bytes: int | None = None
     flush_interval_s: float = 0.05
     store_refresh_s: float = 0.5
+    endpoint_per_local_rank: bool = False
 
     @classmethod
     def from_train_config(cls, cfg: Any, rank: int = 0, world_size: int = 1) -> OnlineConfig:
-        """Build from a :class:`spectrain.train.TrainConfig` (``--online`` runs).
+        """Build from a :class:`spectrain.train_config.TrainConfig` (``--online`` runs).
 
         ``cfg.online_options`` (``--online-option KEY=VALUE``) sets any other field of this class.
         Without a store and without ``layer_ids``, the layers are the draft's ``--target-layer-ids``
@@ -139,6 +146,7 @@ class OnlineConfig:
         if getattr(cfg, "chat_template", None):
             kwargs["chat_template"] = cfg.chat_template
         kwargs.update(extra)
+        kwargs["endpoints"] = _node_local(kwargs, rank, world_size)
         if not kwargs.get("layer_ids"):
             kwargs["layer_ids"] = _default_layer_ids(cfg)
         return cls(**kwargs)
@@ -184,6 +192,24 @@ class OnlineConfig:
             raise ValueError("--cache-generated needs --store DIR (where generated samples are kept)")
         if not 0.0 <= self.validation_fraction < 1.0:
             raise ValueError(f"validation fraction must be in [0, 1), got {self.validation_fraction}")
+
+
+def _node_local(kwargs: dict[str, Any], rank: int, world_size: int) -> list[str]:
+    """The endpoints of this rank: templates expanded with its local rank, or the
+    ``LOCAL_RANK``-th of the list with ``endpoint_per_local_rank``."""
+    from hsgen.launcher import Ranks, endpoints_for_rank, resolve_ranks
+
+    try:
+        launch = resolve_ranks(env=os.environ)
+    except ValueError:
+        launch = Ranks()
+    ranks = Ranks(world_size, rank, launch.local_rank, launch.node_rank, launch.source)
+    urls = endpoints_for_rank(
+        list(kwargs["endpoints"]), ranks, per_local_rank=bool(kwargs.get("endpoint_per_local_rank"))
+    )
+    if urls != list(kwargs["endpoints"]):
+        log.info("rank %d (local rank %d) uses endpoints %s", rank, ranks.local_rank, urls)
+    return urls
 
 
 def _default_layer_ids(cfg: Any) -> list[int] | None:

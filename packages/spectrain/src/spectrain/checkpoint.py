@@ -1,0 +1,168 @@
+"""Checkpoints: ``<save_path>/checkpoint-<step>/`` written atomically beside ``latest``, the
+one to resume from, the trainer state (weights, optimizer, RNG, loop state, data cursor), and
+pruning.
+
+A checkpoint holds ``config.json`` + ``model.safetensors`` (servable by vLLM as is) and
+``trainer/``: ``state.pt`` (full fp32 weights, optimizer, scheduler, RNG, loop state, the data
+cursor and the epoch plans) and ``train_config.json`` (the resolved config, secrets redacted).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from spectrain.models.registry import DraftModel, build_draft, get_config_class
+from spectrain.train_config import TrainConfig, redact_secrets
+from spectrain.verifier import VerifierHeads
+
+if TYPE_CHECKING:
+    from spectrain.optim import Optimizers
+
+log = logging.getLogger(__name__)
+
+STATE_DIR = "trainer"
+LATEST = "latest"
+
+
+def rng_state() -> dict[str, Any]:
+    """Every RNG the run draws from (Python, NumPy, torch, CUDA), to save."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`rng_state` saved."""
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def find_resume(cfg: TrainConfig) -> Path | None:
+    """The checkpoint to resume from, or None."""
+    if cfg.resume in ("none", "", None):
+        return None
+    if cfg.resume != "auto":
+        p = Path(cfg.resume)
+        if not (p / STATE_DIR / "state.pt").is_file():
+            raise ValueError(f"--resume {p}: not a checkpoint (no {STATE_DIR}/state.pt)")
+        return p
+    latest = Path(cfg.save_path) / LATEST
+    if latest.is_file():
+        p = Path(cfg.save_path) / latest.read_text().strip()
+        if (p / STATE_DIR / "state.pt").is_file():
+            return p
+        log.warning("%s names %s, which is not a complete checkpoint; starting fresh", latest, p)
+    return None
+
+
+def load_trainer_state(checkpoint: Path, world_size: int) -> dict[str, Any]:
+    """The trainer state of ``checkpoint``; refuses another world size (the data cursor is per rank)."""
+    state = torch.load(checkpoint / STATE_DIR / "state.pt", map_location="cpu", weights_only=False)
+    saved_world = state["loop"]["world_size"]
+    if saved_world != world_size:
+        raise ValueError(
+            f"{checkpoint}: saved with {saved_world} processes, resuming with {world_size}; "
+            "the data cursor is per rank, so resume with the same world size"
+        )
+    return state
+
+
+def full_states(
+    mode: str, wrapped: torch.nn.Module, module: torch.nn.Module, optimizer: Optimizers
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Whole (unsharded) model and optimizer state dicts on the host; under FSDP a collective."""
+    if mode == "fsdp":
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return (get_model_state_dict(wrapped, options=opts),
+                get_optimizer_state_dict(wrapped, optimizer.optimizers, options=opts))  # fmt: skip
+    model = {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
+    return model, optimizer.state_dict()
+
+
+def restore_optimizer(
+    mode: str, wrapped: torch.nn.Module, optimizer: Optimizers, state: dict[str, Any]
+) -> None:
+    """Load the saved optimizer and scheduler state into ``optimizer`` (sharded again under FSDP)."""
+    if mode == "fsdp":
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(wrapped, optimizer.optimizers, state["optimizer"],
+                                 options=StateDictOptions(full_state_dict=True))  # fmt: skip
+    else:
+        optimizer.load_state_dict(state["optimizer"])
+    optimizer.load_scheduler_state(state["scheduler"])
+
+
+def write_checkpoint(
+    save_path: Path,
+    name: str,
+    state: dict[str, Any],
+    resolved: dict[str, Any],
+    export: Callable[[Path], None],
+) -> Path:
+    """Write ``save_path/name`` atomically (``export`` fills the servable part, then the trainer
+    state and the redacted resolved config) and point ``latest`` at it."""
+    final = save_path / name
+    tmp = save_path / f".tmp-{name}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    (tmp / STATE_DIR).mkdir(parents=True)
+    export(tmp)
+    torch.save(state, tmp / STATE_DIR / "state.pt")
+    (tmp / STATE_DIR / "train_config.json").write_text(json.dumps(redact_secrets(resolved), indent=2) + "\n")
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    latest_tmp = save_path / (LATEST + ".tmp")
+    latest_tmp.write_text(name + "\n")
+    os.replace(latest_tmp, save_path / LATEST)
+    return final
+
+
+def prune_checkpoints(save_path: Path, keep: int | None) -> None:
+    """Delete all but the newest ``keep`` checkpoints (None or 0: keep all)."""
+    if not keep:
+        return
+    ckpts = sorted(p for p in save_path.glob("checkpoint-*") if p.is_dir())
+    for p in ckpts[:-keep]:
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def load_checkpoint_model(
+    checkpoint: str | Path, verifier: str | None = None
+) -> tuple[DraftModel, dict[str, Any]]:
+    """Rebuild a draft from ``checkpoint`` (fp32 weights); returns ``(model, resolved config)``."""
+    ckpt = Path(checkpoint)
+    cfg_path = ckpt / STATE_DIR / "train_config.json"
+    if not cfg_path.is_file():
+        raise ValueError(f"{ckpt}: not a spectrain checkpoint (no {STATE_DIR}/train_config.json)")
+    resolved = json.loads(cfg_path.read_text())
+    train_cfg = resolved["train"]
+    heads = VerifierHeads.load(verifier or train_cfg["verifier"])
+    draft_cfg = get_config_class(train_cfg["speculator_type"]).from_dict(
+        resolved["draft"], where=str(cfg_path)
+    )
+    model = build_draft(draft_cfg, heads)
+    state = torch.load(ckpt / STATE_DIR / "state.pt", map_location="cpu", weights_only=False)
+    model.load_state_dict(state["model"])
+    return model, resolved
