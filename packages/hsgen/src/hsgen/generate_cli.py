@@ -39,6 +39,7 @@ def generate(
     layer_ids,
     verifier,
     codec,
+    targets,
     tokenizer,
     revision,
     chat_template,
@@ -101,6 +102,11 @@ def generate(
     store = _open_store(store_path, ids, renderer.fingerprint)
     if store is None and ids is None:
         raise click.UsageError(f"{store_path} is not a store yet: --layer-ids is needed to create it")
+    if store is not None and targets not in (None, store.header.targets):
+        raise click.BadParameter(
+            f"{store_path} keeps targets {store.header.targets!r}: use another store", param_hint="--targets"
+        )
+    targets = store.header.targets if store is not None else (targets or "states")
     try:
         client_cfg = ClientConfig(
             endpoints=list(endpoints),
@@ -108,6 +114,7 @@ def generate(
             api_key=api_key or None,
             model=model,
             include_output_tokens=include_output_tokens,
+            targets=targets,
             request_timeout_s=timeout,
             file_wait_s=file_wait,
             lock_timeout_s=lock_timeout,
@@ -138,7 +145,7 @@ def generate(
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     if store is None:
-        store = _store_factory(store_path, ids, verifier or model, renderer.fingerprint, codec, cfg)
+        store = _store_factory(store_path, ids, verifier or model, renderer.fingerprint, codec, cfg, targets)
     prompts = render_stream(list(inputs), renderer, on_bad_input=on_bad_input)
     show = progress is not False  # a bar on a terminal, log lines otherwise: see hsgen.progress
     summary = asyncio.run(_run_with_signals(run_generate, cfg, prompts, store, show))
@@ -190,7 +197,9 @@ def _visible_entries(path: Path) -> list[str]:
     return [e for e in os.listdir(path) if not e.startswith(".")]
 
 
-def _store_factory(path: Path, layer_ids, verifier, fingerprint: str, codec: str, cfg):
+def _store_factory(
+    path: Path, layer_ids, verifier, fingerprint: str, codec: str, cfg, targets: str = "states"
+):
     """The store at ``path``, created from the first sample's shape (hidden size, dtype)."""
     from hsgen.store_sink import LazyStore
 
@@ -210,6 +219,7 @@ def _store_factory(path: Path, layer_ids, verifier, fingerprint: str, codec: str
             dtype=sample.dtype,
             tokenizer_fingerprint=fingerprint,
             codec=codec,
+            targets=targets,
         )
         return HiddenStateStore.create(path, header)
 
