@@ -224,9 +224,7 @@ def fill_slot(read: SampleRead, hidden: torch.Tensor, input_ids: torch.Tensor, l
     mask = numpy_view(loss_mask, np.uint8)
     targets = None if target_ids is None else np.empty(read.length, dtype=np.int32)
     if direct:
-        read.read_into(
-            numpy_view(hidden, STORAGE[read.dtype]), numpy_view(input_ids, np.int64), mask, targets
-        )
+        _read(read, numpy_view(hidden, STORAGE[read.dtype]), numpy_view(input_ids, np.int64), mask, targets)
         np.minimum(mask, 1, out=mask)  # bool storage must hold 0 or 1
         if target_ids is not None:
             target_ids.copy_(torch.from_numpy(targets))
@@ -234,7 +232,7 @@ def fill_slot(read: SampleRead, hidden: torch.Tensor, input_ids: torch.Tensor, l
     stage = np.empty((read.length, L, H), dtype=STORAGE[read.dtype])
     ids = np.empty(read.length, dtype=np.int64)
     m = np.empty(read.length, dtype=np.uint8)
-    read.read_into(stage, ids, m, targets)
+    _read(read, stage, ids, m, targets)
     if target_ids is not None:
         target_ids.copy_(torch.from_numpy(targets[:n]))
     hs = torch.from_numpy(stage[:n])
@@ -249,3 +247,13 @@ def fill_slot(read: SampleRead, hidden: torch.Tensor, input_ids: torch.Tensor, l
     hidden.copy_(hs)
     input_ids.copy_(torch.from_numpy(ids[:n]))
     mask[...] = np.minimum(m[:n], 1)
+
+
+def _read(
+    read: SampleRead, hidden: np.ndarray, ids: np.ndarray, mask: np.ndarray, targets: np.ndarray | None
+) -> None:
+    """``read.read_into``, passing ``target_ids`` only when wanted (reads that predate them take three buffers)."""
+    if targets is None:
+        read.read_into(hidden, ids, mask)
+    else:
+        read.read_into(hidden, ids, mask, targets)
