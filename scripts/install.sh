@@ -9,4 +9,4 @@ python -m pip install -q -e "packages/hsgen[serve,render,parquet,datasets,dev]" 
 # speculators' model and loss code, without its dependency pins (it asks for transformers<=5.19; its model code
 # runs on ours), plus exactly what that code imports.
 python -m pip install -q --no-deps "speculators==0.9.0" "hs-connectors==0.9.0"
-python -m pip install -q "openai==3.57.0" "datasets==5.2.0" "loguru==0.7.3" "pydantic>=2.10"
+python -m pip install -q "openai==3.57.0" "datasets==5.2.0" "loguru==0.7.3" "pydantic>=2.10" "pydantic-settings==2.14.1" "httpx==0.28.1"

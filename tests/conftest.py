@@ -31,3 +31,12 @@ def hub_cache(tmp_path, monkeypatch):
     monkeypatch.delenv("HF_HUB_CACHE", raising=False)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     return home / "hub"
+
+
+@pytest.fixture(scope="session")
+def family_model(tmp_path_factory, tiny_model_dir):
+    """``family_model(name)``: the directory of a tiny random model of a verifier family
+    (``tests/_families.py``), saved once per session with the tiny tokenizer."""
+    from _families import family_dirs
+
+    return family_dirs(tmp_path_factory.mktemp("families"), tiny_model_dir)

@@ -43,6 +43,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "hsgen.generate_cli:generate",
         "Fetch hidden states for prompts from vLLM servers into a store.",
     ),
+    "import-speculators": (
+        "hsgen.speculators_import_cli:import_speculators",
+        "Import a hidden-state cache speculators wrote (hs_<row>.safetensors + its dataset) into a store.",
+    ),
 }
 
 

@@ -76,21 +76,18 @@ def looks_like_hub_id(name: str) -> bool:
 
 
 def head_tensor_files(weight_map: dict[str, str]) -> list[str]:
-    """Shards of a safetensors index that hold the embeddings, a final norm or the LM head.
+    """Shards of a safetensors index that hold the embeddings, the final norm and the LM head.
 
-    The same names ``spectrain.verifier`` looks for: ``*embed_tokens.weight``,
-    ``*lm_head.weight`` and ``*norm.weight`` outside the decoder layers and other towers.
+    The same tensors ``spectrain.verifier`` reads (:func:`hsgen.head_tensors.head_tensor_names`);
+    raises :class:`HubError` when the index has no embeddings or no final norm beside them.
     """
-    files = set()
-    for name, fname in weight_map.items():
-        if name.endswith(("embed_tokens.weight", "lm_head.weight")) or (
-            name.endswith("norm.weight")
-            and ".layers." not in name
-            and not name.startswith("layers.")
-            and not any(t in name for t in ("vision", "visual", "audio"))
-        ):
-            files.add(fname)
-    return sorted(files)
+    from hsgen.head_tensors import HeadTensorError, head_tensor_names
+
+    try:
+        heads = head_tensor_names(weight_map)
+    except HeadTensorError as e:
+        raise HubError(f"{INDEX}: {e}") from None
+    return sorted({weight_map[n] for n in heads.all()})
 
 
 def _client():

@@ -166,3 +166,62 @@ def load_checkpoint_model(
     state = torch.load(ckpt / STATE_DIR / "state.pt", map_location="cpu", weights_only=False)
     model.load_state_dict(state["model"])
     return model, resolved
+
+
+SHAPE_FIELDS = ("speculator_type", "store", "prompts", "chat_template", "online", "val_fraction", "seed",
+                "total_seq_len", "grad_accum")  # fmt: skip
+"""TrainConfig fields that shape the model or the data: a resume refuses a change (with the draft's options)."""
+PINNED_FIELDS = ("optimizer", "lr", "muon_lr", "weight_decay", "betas", "muon_momentum", "muon_weight_decay",
+                 "muon_ns_steps", "muon_adjust_lr", "schedule", "warmup_steps", "warmup_ratio", "min_lr_ratio")  # fmt: skip
+"""Fields the checkpoint's optimizer and scheduler state carry (it would win over a new value): refused too."""
+MAY_CHANGE = ("epochs", "max_steps", "stop_after_steps", "save_every", "keep_checkpoints", "val_every",
+              "val_max_sequences", "log_every", "report_to", "tensorboard", "max_grad_norm", "max_nonfinite_steps",
+              "num_workers", "prefetch", "read_threads", "verify_samples", "device", "precision", "compile",
+              "endpoints", "online_options", "delete_consumed", "cache_generated", "verifier", "verifier_name")  # fmt: skip
+"""Fields a resumed run takes from its command line (docs/train.md lists them)."""
+
+_PATHS = frozenset({"store", "prompts", "chat_template"})
+
+
+def _norm(key: str, value: Any) -> Any:
+    if isinstance(value, tuple | list):
+        return [_norm(key, v) for v in value]
+    if key in _PATHS and isinstance(value, str) and value and Path(value).exists():
+        return str(Path(value).resolve())
+    return value
+
+
+def resume_differences(
+    checkpoint: Path, cfg: TrainConfig, saved_draft: dict[str, Any], vocab_size: int | None = None
+) -> list[str]:
+    """``name (saved -> now)`` for each shaping or pinned field this run sets differently from
+    ``checkpoint`` (draft options: those the run names; the rest come from the checkpoint)."""
+    out = []
+    resolved_path = checkpoint / STATE_DIR / "train_config.json"
+    saved_train = json.loads(resolved_path.read_text()).get("train", {}) if resolved_path.is_file() else {}
+    now = cfg.to_dict()
+    for key in (*SHAPE_FIELDS, *PINNED_FIELDS):
+        if key in saved_train and _norm(key, saved_train[key]) != _norm(key, now.get(key)):
+            out.append(f"{key} ({saved_train[key]} -> {now.get(key)})")
+    for key, value in dict(cfg.draft).items():
+        if key not in saved_draft or value is None:
+            continue
+        saved = saved_draft[key]
+        if key == "draft_vocab_size" and vocab_size and saved == vocab_size and value >= vocab_size:
+            continue  # clamped to the verifier's vocabulary when the run started
+        if _norm(key, value) != _norm(key, saved):
+            out.append(f"{key} ({saved} -> {value})")
+    return out
+
+
+def check_resume(
+    checkpoint: Path, cfg: TrainConfig, saved_draft: dict[str, Any], vocab_size: int | None
+) -> None:
+    """Refuse (one line) to resume ``checkpoint`` with a run shaped otherwise."""
+    diffs = resume_differences(checkpoint, cfg, saved_draft, vocab_size)
+    if diffs:
+        raise ValueError(
+            f"{checkpoint}: this run differs from the checkpoint's in {', '.join(diffs)}; resuming would train "
+            "the checkpoint's: use a new --save-path, or --resume none (--no-resume-from-checkpoint) to start "
+            "fresh in this one"
+        )

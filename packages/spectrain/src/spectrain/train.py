@@ -34,6 +34,7 @@ import torch.distributed as dist
 from spectrain.checkpoint import (
     LATEST,
     STATE_DIR,
+    check_resume,
     find_resume,
     full_states,
     load_checkpoint_model,
@@ -115,6 +116,8 @@ class Trainer:
 
         vdtype = torch.bfloat16 if self.amp else torch.float32
         self.verifier = VerifierHeads.load(cfg.verifier, dtype=vdtype).to(self.device)
+        if self.state is not None:
+            check_resume(self.resume_dir, cfg, self.state["draft_config"], self.verifier.vocab_size)
         header = self.source.header
         check_header(cfg, header, self.verifier)
         self.hidden_dtype = TORCH_DTYPES.get(getattr(header, "dtype", "bfloat16"), torch.bfloat16)
@@ -183,7 +186,8 @@ class Trainer:
             self.plans = None
             if saved != plan:
                 log.warning(
-                    "epoch %d plan changed since the checkpoint (store grew?); continuing the saved plan",
+                    "epoch %d plan changed since the checkpoint (samples added to or removed from the store); "
+                    "continuing the saved plan",
                     epoch,
                 )
                 use = getattr(self.source, "use_plan", None)

@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from hsgen.cli import SectionedCommand
+from spectrain.speculators_flags import SpeculatorsCommand
 
 DRAFT_FLAGS = {
     "block_size": "block_size",
@@ -158,6 +158,12 @@ def build_train_config(params: dict[str, Any]):
 
         data["speculator_type"] = read_draft_algorithm(data["from_pretrained"])
     _resolve_verifier(data, params.get("revision"))
+    if not data.get("online") and not data.get("store") and data.get("prompts"):
+        from spectrain.speculators_flags import cache_dir_hint
+
+        hint = cache_dir_hint(data["prompts"])
+        if hint:
+            raise click.UsageError(hint)
     where = params.get("config") or "command line"
     cfg = TrainConfig.from_dict(data, where=where)
     cfg.validate()
@@ -169,7 +175,7 @@ def build_train_config(params: dict[str, Any]):
 
 TRAIN_SECTIONS: dict[str, tuple[str, ...]] = {
     "Run": ("config", "store", "verifier", "revision", "verifier_name", "speculator_type", "from_pretrained",
-            "save_path", "resume"),
+            "save_path", "resume", "dry_run", "dump_config"),
     "Optimization": ("epochs", "max_steps", "stop_after_steps", "lr", "min_lr_ratio", "schedule", "warmup_steps",
                      "warmup_ratio", "weight_decay", "betas", "max_grad_norm", "max_nonfinite_steps", "total_seq_len",
                      "grad_accum", "seed"),
@@ -193,7 +199,7 @@ TRAIN_SECTIONS: dict[str, tuple[str, ...]] = {
 
 @click.command(
     "train",
-    cls=SectionedCommand,
+    cls=SpeculatorsCommand,
     sections=TRAIN_SECTIONS,
     context_settings={"help_option_names": ["-h", "--help"], "show_default": True},
 )
@@ -203,6 +209,15 @@ TRAIN_SECTIONS: dict[str, tuple[str, ...]] = {
     help="JSON/YAML file of TrainConfig fields (flags override it).",
 )
 @click.option("--store", type=click.Path(file_okay=False), help="Hidden-state store directory.")
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    default=False,
+    help="Print the resolved plan (samples, tokens, steps, FLOPs and peak memory per step) as JSON and exit.",
+)
+@click.option(
+    "--dump-config", is_flag=True, default=False, help="Print the resolved TrainConfig as JSON and exit."
+)
 @click.option(
     "--verifier",
     "--verifier-name-or-path",
@@ -445,17 +460,33 @@ TRAIN_SECTIONS: dict[str, tuple[str, ...]] = {
     "--online-option", multiple=True, help="Online: any OnlineConfig field, KEY=VALUE (JSON), repeatable."
 )
 def train(**params: Any) -> None:
-    """Train a DFlash or Eagle3 draft; every checkpoint is a directory vLLM serves."""
+    """Train a DFlash or Eagle3 draft; every checkpoint is a directory vLLM serves.
+
+    speculators' train flags are read too: each works as there or is refused naming ours (docs/train.md)."""
     _setup_logging()
+    for note in click.get_current_context().meta.get("speculators_notes", ()):
+        logging.getLogger("spectrain.train").info("%s", note)
     try:
         cfg = build_train_config(params)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     from hsgen.store.errors import StoreError
+    from spectrain.distributed import resolve_device
     from spectrain.train import train as run_train
     from spectrain.train_config import redact_secrets
 
+    if params.get("dump_config"):
+        click.echo(json.dumps(redact_secrets(cfg.to_dict()), indent=1, default=str))
+        return
     try:
+        if params.get("dry_run"):
+            from spectrain.plan import plan
+
+            click.echo(json.dumps(redact_secrets(plan(cfg)), default=str))
+            return
+        from spectrain.plan import check_memory
+
+        check_memory(cfg, resolve_device(cfg))
         summary = run_train(cfg)
     except (ValueError, StoreError) as e:
         raise click.ClickException(str(e)) from None

@@ -3,7 +3,9 @@
 Only these three tensors are read from the verifier's safetensors (a single
 ``model.safetensors`` or a sharded ``model.safetensors.index.json``); the decoder layers are
 never loaded. Drafts share the embeddings (and, for DFlash, the LM head) and build their
-training targets as ``lm_head(norm(h_last))`` from the stored last-layer states.
+training targets as ``softcap(lm_head(norm(h_last)))`` from the stored last-layer states. The
+norm's offset and the softcap follow the verifier's family (:mod:`spectrain.families`); an
+unsupported ``model_type`` is refused.
 """
 
 from __future__ import annotations
@@ -18,10 +20,10 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-log = logging.getLogger(__name__)
+from hsgen.head_tensors import HeadTensorError, head_tensor_names
+from spectrain.families import Family, UnknownFamilyError, family_of, final_logit_softcap
 
-_EMBED_SUFFIX = "embed_tokens.weight"
-_LM_HEAD = "lm_head.weight"
+log = logging.getLogger(__name__)
 
 
 class VerifierError(ValueError):
@@ -113,15 +115,6 @@ def _weight_files(path: Path) -> dict[str, Path]:
     raise VerifierError(f"{path}: no model.safetensors or model.safetensors.index.json")
 
 
-def _find(names: dict[str, Path], suffix: str, *, exclude_layers: bool = False) -> str | None:
-    """Shortest tensor name ending in ``suffix`` (prefers ``model.norm`` over ``x.model.norm``)."""
-    hits = [n for n in names if n == suffix or n.endswith("." + suffix)]
-    if exclude_layers:
-        hits = [n for n in hits if ".layers." not in n and not n.startswith("layers.")]
-        hits = [n for n in hits if "vision" not in n and "visual" not in n and "audio" not in n]
-    return min(hits, key=len) if hits else None
-
-
 class VerifierHeads:
     """Frozen ``embed_tokens`` [V, H], final ``norm`` [H] and ``lm_head`` [V, H] of the verifier.
 
@@ -138,6 +131,7 @@ class VerifierHeads:
         lm_head: torch.Tensor,
         *,
         norm_offset: float = 0.0,
+        softcap: float | None = None,
     ):
         self.info = info
         tied = lm_head is embed_tokens
@@ -145,6 +139,7 @@ class VerifierHeads:
         self.norm_weight = norm_weight.detach().requires_grad_(False)
         self.lm_head = self.embed_tokens if tied else lm_head.detach().requires_grad_(False)
         self.norm_offset = norm_offset
+        self.softcap = softcap
         self.eps = info.rms_norm_eps
 
     @classmethod
@@ -152,18 +147,13 @@ class VerifierHeads:
         """Load the three tensors from ``path`` (local HF directory) in ``dtype``."""
         path = Path(path)
         info = read_verifier_info(path)
+        family = verifier_family(info)
         names = _weight_files(path)
-        embed_name = _find(names, _EMBED_SUFFIX)
-        norm_name = _find(names, "norm.weight", exclude_layers=True)
-        if embed_name and norm_name and not norm_name.endswith("model.norm.weight"):
-            prefix = embed_name[: -len(_EMBED_SUFFIX)]
-            if prefix + "norm.weight" in names:
-                norm_name = prefix + "norm.weight"
-        head_name = _find(names, _LM_HEAD)
-        if embed_name is None:
-            raise VerifierError(f"{path}: no tensor named '*{_EMBED_SUFFIX}' in the safetensors files")
-        if norm_name is None:
-            raise VerifierError(f"{path}: no final 'norm.weight' tensor in the safetensors files")
+        try:
+            heads = head_tensor_names(names)
+        except HeadTensorError as e:
+            raise VerifierError(f"{path}: {e} in the safetensors files") from None
+        embed_name, norm_name, head_name = heads.embed_tokens, heads.norm, heads.lm_head
         tensors = {}
         by_file: dict[Path, list[str]] = {}
         for n in {embed_name, norm_name, *([head_name] if head_name else [])}:
@@ -186,9 +176,10 @@ class VerifierHeads:
                 f"{path}: embed {tuple(embed.shape)} / lm_head {tuple(lm_head.shape)} "
                 f"do not match hidden_size {info.hidden_size}"
             )
-        offset = 1.0 if info.model_type.startswith("gemma") else 0.0
-        log.info("verifier heads: %s, %s, %s from %s", embed_name, norm_name, head_name or "(tied)", path)
-        return cls(info, embed, tensors[norm_name], lm_head, norm_offset=offset)
+        softcap = final_logit_softcap(info.raw)
+        log.info("verifier heads (%s): %s, %s, %s from %s (norm offset %g, softcap %s)", family.name, embed_name,
+                 norm_name, head_name or "(tied)", path, family.norm_offset, softcap)  # fmt: skip
+        return cls(info, embed, tensors[norm_name], lm_head, norm_offset=family.norm_offset, softcap=softcap)
 
     @property
     def vocab_size(self) -> int:
@@ -207,7 +198,8 @@ class VerifierHeads:
         return self
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """Token embeddings ``[..., H]``."""
+        """Token embeddings ``[..., H]``, as vLLM's draft models embed: the target's shared
+        ``embed_tokens`` rows without the target's own scale (Gemma's ``sqrt(hidden_size)``)."""
         return F.embedding(token_ids, self.embed_tokens)
 
     def norm(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -217,7 +209,22 @@ class VerifierHeads:
         return (x * (self.norm_weight.float() + self.norm_offset)).to(hidden.dtype)
 
     def logits(self, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """``lm_head(norm(hidden))`` over the full vocabulary, or over the token ids ``rows``."""
+        """``softcap(lm_head(norm(hidden)))`` over the full vocabulary, or over the token ids ``rows``."""
         weight = self.lm_head if rows is None else self.lm_head.index_select(0, rows)
         h = self.norm(hidden)
-        return F.linear(h, weight.to(h.dtype))
+        return apply_softcap(F.linear(h, weight.to(h.dtype)), self.softcap)
+
+
+def apply_softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """``cap * tanh(logits / cap)`` (the config's ``final_logit_softcapping``); ``logits`` when None."""
+    if not cap:
+        return logits
+    return torch.tanh(logits / cap) * cap
+
+
+def verifier_family(info: VerifierInfo) -> Family:
+    """The family of ``info`` (raises :class:`VerifierError` for an unsupported ``model_type``)."""
+    try:
+        return family_of(info.model_type, f"{info.path}/config.json")
+    except UnknownFamilyError as e:
+        raise VerifierError(str(e)) from None

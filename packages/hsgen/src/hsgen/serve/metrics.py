@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from hsgen.serve.app import ServerState
+    from hsgen.serve.state import ServerState
 
 
 def _labels(**labels: str) -> str:

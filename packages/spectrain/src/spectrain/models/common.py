@@ -12,6 +12,7 @@ def build_vocab_map(counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.
     Ties (and tokens never seen, when fewer than ``draft_vocab_size`` were) go to the lower id.
     ``d2t`` int64 ``[draft_vocab]``: target id = draft id + ``d2t[draft id]``; ``t2d`` bool
     ``[target_vocab]``: True for tokens in the draft vocabulary. Draft ids are in target-id order.
+    Both live on ``counts``' device.
     """
     vocab = int(counts.shape[0])
     if not 0 < draft_vocab_size <= vocab:
@@ -20,8 +21,9 @@ def build_vocab_map(counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.
     # stable descending sort by count -> lower ids win ties
     order = torch.sort(-counts, stable=True).indices
     keep = torch.sort(order[:draft_vocab_size]).values
-    d2t = keep - torch.arange(draft_vocab_size, dtype=torch.int64)
-    t2d = torch.zeros(vocab, dtype=torch.bool)
+    # on the counts' device, whatever the default device is (a draft is often built under one)
+    d2t = keep - torch.arange(draft_vocab_size, dtype=torch.int64, device=keep.device)
+    t2d = torch.zeros(vocab, dtype=torch.bool, device=keep.device)
     t2d[keep] = True
     return d2t.to(torch.int64), t2d
 

@@ -351,9 +351,8 @@ class DFlashDraft(DraftModel):
             )
         else:
             target_hidden = self.verifier.norm(batch.last_hidden[label_slots - 1].reshape(N * K, -1))
-            rows, pred, tgt = vocab_loss(
-                h.reshape(N * K, -1), head, target_hidden, head, self.cfg.target_mode
-            )
+            rows, pred, tgt = vocab_loss(h.reshape(N * K, -1), head, target_hidden, head, self.cfg.target_mode,
+                                         target_softcap=self.verifier.softcap)  # fmt: skip
         rows = rows.view(N, K)
         w = self.position_weights(rows, valid)
         weight_sum = valid.sum().to(rows.dtype) if self.cfg.loss_norm == "count" else w.sum()

@@ -175,12 +175,12 @@ class Eagle3Draft(DraftModel):
         self.register_buffer("d2t", torch.zeros(dv, dtype=torch.int64))
         self.register_buffer("t2d", torch.zeros(vocab, dtype=torch.bool))
         self.reset_parameters()
-        self.prepare(torch.zeros(vocab))
+        self.prepare(None)
 
     def prepare(self, token_counts: torch.Tensor | None) -> None:
         """Build d2t/t2d from token counts and start ``lm_head`` from the verifier's rows."""
-        if token_counts is None:
-            token_counts = torch.zeros(self.verifier.vocab_size)
+        if token_counts is None:  # counts live on the host, whatever the default device is
+            token_counts = torch.zeros(self.verifier.vocab_size, device="cpu")
         d2t, t2d = build_vocab_map(token_counts.cpu(), self.draft_vocab)
         self.d2t.copy_(d2t)
         self.t2d.copy_(t2d)
@@ -252,7 +252,10 @@ class Eagle3Draft(DraftModel):
             with torch.no_grad():
                 target_hidden = self.verifier.norm(batch.last_hidden)
             targets = verifier_targets(
-                target_hidden, self.verifier.lm_head.index_select(0, draft_ids), cfg.target_mode
+                target_hidden,
+                self.verifier.lm_head.index_select(0, draft_ids),
+                cfg.target_mode,
+                softcap=self.verifier.softcap,
             )
         hidden = self.context_features(batch.aux_hidden.reshape(S, -1))
         keys, values = [], []

@@ -70,10 +70,16 @@ class VerifierTargets:
 
 @torch.no_grad()
 def verifier_targets(
-    target_hidden: torch.Tensor, target_head_weight: torch.Tensor, mode: str, *, chunk_rows: int | None = None
+    target_hidden: torch.Tensor,
+    target_head_weight: torch.Tensor,
+    mode: str,
+    *,
+    chunk_rows: int | None = None,
+    softcap: float | None = None,
 ) -> VerifierTargets:
     """The verifier's argmax (and, for ``soft``, logits) of ``target_hidden [N, H]`` over the rows
-    ``target_head_weight [V, H]``; ``hard`` never holds more than one chunk of logits."""
+    ``target_head_weight [V, H]``; ``hard`` never holds more than one chunk of logits. ``softcap``:
+    the verifier's ``final_logit_softcapping`` (the logits become ``cap * tanh(logits / cap)``)."""
     _check_mode(mode)
     device_type = target_hidden.device.type
     td = (
@@ -85,11 +91,16 @@ def verifier_targets(
     with torch.autocast(device_type, enabled=False):
         tw = target_head_weight.to(td)
         if mode == "soft":
-            logits = F.linear(target_hidden.to(td), tw)
+            logits = _softcap(F.linear(target_hidden.to(td), tw), softcap)
             return VerifierTargets(logits.argmax(-1), logits)
         ids = [F.linear(target_hidden[s : s + rows].to(td), tw).argmax(-1)
                for s in range(0, target_hidden.shape[0], rows)]  # fmt: skip
     return VerifierTargets(torch.cat(ids))
+
+
+def _softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """``cap * tanh(logits / cap)``, as the verifier's own forward (monotonic: argmaxes unchanged)."""
+    return logits if not cap else torch.tanh(logits / cap) * cap
 
 
 def _check_mode(mode: str) -> None:
@@ -107,6 +118,7 @@ def vocab_loss(
     targets: VerifierTargets | None = None,
     chunk_rows: int | None = None,
     keep_logit_grads: bool | None = None,
+    target_softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-row loss between the draft's and the verifier's distributions over ``V`` tokens.
 
@@ -121,6 +133,8 @@ def vocab_loss(
         chunk_rows: rows per chunk (default :func:`default_chunk_rows` of ``V``).
         keep_logit_grads: trainable head only: keep the ``[N, V]`` logit gradients from forward
             (True) or recompute them in backward (False); None: keep when they fit ``KEEP_BYTES``.
+        target_softcap: the verifier's ``final_logit_softcapping`` applied to its logits formed
+            here from ``target_hidden`` (precomputed ``targets`` carry it already).
 
     Returns:
         ``(loss [N] float32, draft argmax [N], verifier argmax [N])``; argmaxes index the ``V`` rows.
@@ -155,6 +169,7 @@ def vocab_loss(
         size = torch.finfo(plan.draft_dtype).bits // 8
         keep_logit_grads = hidden.shape[0] * head_weight.shape[0] * size <= KEEP_BYTES
     plan.keep = keep_logit_grads
+    plan.target_softcap = target_softcap
     # one tensor may enter an autograd function (and torch.compile) once
     if target_head_weight is head_weight:
         plan.shared_head, target_head_weight = True, None
@@ -180,6 +195,7 @@ class _Plan:
     soft: bool
     rows: int
     keep: bool = False
+    target_softcap: float | None = None
     shared_head: bool = False
     """The verifier's head rows are the draft's (``target_head_weight is head_weight``)."""
 
@@ -210,6 +226,7 @@ def _chunk_targets(plan: _Plan, s: int, e: int, side) -> tuple[torch.Tensor | No
             rows = logits[s:e] if index is None else logits[index[s:e]]
             return rows.to(plan.acc_dtype, copy=True), ids[s:e]  # a copy: the caller works in place
         raw = F.linear(th[s:e].detach().to(plan.target_dtype), tw.detach().to(plan.target_dtype))
+        raw = _softcap(raw, plan.target_softcap)
         return (raw.to(plan.acc_dtype) if plan.soft else None), raw.argmax(-1)
 
 
