@@ -179,7 +179,7 @@ class Engine:
                     self._executor,
                     self.extractor.forward,
                     [r.tokens for r in batch],
-                    want if any(want) else None,
+                    want if any(w is not None for w in want) else None,
                 )
             except Exception as e:
                 log.exception("forward failed for a batch of %d sequences", len(batch))

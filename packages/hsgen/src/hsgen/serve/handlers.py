@@ -12,7 +12,16 @@ from aiohttp import web
 
 from hsgen import protocol
 from hsgen.serve.capacity import CapacityModel
-from hsgen.serve.extraction import Job, decode, pre_fault, respond, run_jobs, usage
+from hsgen.serve.extraction import (
+    Job,
+    decode,
+    pre_fault,
+    prompt_logprobs_field,
+    prompt_logprobs_json,
+    respond,
+    run_jobs,
+    usage,
+)
 from hsgen.serve.faults import FaultPlan
 from hsgen.serve.metrics import render_metrics
 from hsgen.serve.parse import (
@@ -89,6 +98,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     max_tokens = [validate_prompt(state, p, requested) for p in prompts]
     include, custom = kv_params(state, body)
     return_ids = bool_field(body, "return_token_ids", False)
+    want_logprobs = prompt_logprobs_field(body)
     request_id = protocol.completion_request_id(base_request_id(request))
     state.requests_total += 1
     fault = await pre_fault(state)
@@ -97,7 +107,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         name = protocol.hidden_states_filename(request_id, i)
         path = custom if (custom and i == 0) else os.path.join(state.config.shared_storage_path, name)
         jobs.append(Job(p, path, fault if i == 0 else None))
-    await run_jobs(request, state, jobs, max_tokens, body, include)
+    await run_jobs(request, state, jobs, max_tokens, body, include, want_logprobs)
     choices = []
     for i, job in enumerate(jobs):
         choice: dict[str, Any] = {
@@ -106,7 +116,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
             "logprobs": None,
             "finish_reason": job.result.finish_reason,
             "stop_reason": None,
-            "prompt_logprobs": None,
+            "prompt_logprobs": prompt_logprobs_json(state, job),
         }
         if return_ids:
             choice["prompt_token_ids"] = job.prompt_token_ids

@@ -174,7 +174,7 @@ def prompt_logprobs_of(
     for lo in range(0, n, LOGPROB_ROWS):
         hi = min(n, lo + LOGPROB_ROWS)
         lp = torch.log_softmax(head(last[lo:hi]).float(), dim=-1)
-        top = lp.topk(min(k, lp.shape[-1]), dim=-1)
+        top = lp.topk(lp.shape[-1] if k == -1 else min(k, lp.shape[-1]), dim=-1)
         tok = lp.gather(1, nxt[lo:hi, None])
         rank = (lp > tok).sum(-1) + 1
         parts.append((top.indices, top.values, tok[:, 0], rank))
@@ -275,7 +275,7 @@ class HiddenStateExtractor:
         head = lm.get_output_embeddings()
         for i, n in enumerate(lengths):
             k = prompt_logprobs[i] if prompt_logprobs is not None else None
-            plp = prompt_logprobs_of(head, last[i, :n], sequences[i], k) if k else None
+            plp = prompt_logprobs_of(head, last[i, :n], sequences[i], k) if k is not None else None
             results.append(
                 ForwardOutput(stacked[i, :n].to("cpu", copy=True).contiguous(), int(next_tokens[i]), plp)
             )
