@@ -42,7 +42,13 @@ def test_report_renders_every_chart_from_a_real_run(tiny_run):
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout.strip().splitlines()[-1])
     names = [p.rsplit("/", 1)[-1] for p in out["png"]]
-    assert names == ["loss_lr.png", "acceptance.png", "tau.png", "throughput.png", "eval_acceptance.png"]
+    assert names == [
+        "loss_lr.png",
+        "position_accuracy.png",
+        "tau.png",
+        "throughput.png",
+        "eval_acceptance.png",
+    ]
     assert out["records"] == len({(r["split"], r["step"]) for r in records})
     page = (save / "report" / "index.html").read_text()
     embedded = dict(re.findall(r'src="data:image/png;base64,([^"]+)"[^>]*data-file="([^"]+)"', page))
@@ -54,8 +60,12 @@ def test_report_renders_every_chart_from_a_real_run(tiny_run):
         assert img[..., :3].std() > 0.05, f"{path} is blank"
         name = path.rsplit("/", 1)[-1]
         assert base64.b64decode(embedded[name]) == Path(path).read_bytes()  # the page is self-contained
-    assert f"last step</td><td>{summary['step']} " in page
+    assert f"last step</td><td>{summary['step']} (epoch 2 of 2)" in page  # the last step is logged
+    assert [r["step"] for r in records if r["split"] == "train"][-1] == summary["step"]
     assert "tau 1.750 on 4 prompts" in page
+    assert "Training accuracy per draft position (teacher-forced)" in page and "measured acceptance" in page
+    assert "<h2>Hyperparameters</h2>" in page and "<td>lr</td><td>0.003</td>" in page
+    assert "<td>draft.block_size</td><td>4</td>" in page
 
 
 def test_report_keeps_the_later_record_of_a_resumed_step(tmp_path):

@@ -43,6 +43,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "hsgen.generate_cli:generate",
         "Fetch hidden states for prompts from vLLM servers into a store.",
     ),
+    "vllm-command": (
+        "hsgen.vllm_command:vllm_command",
+        "Print (or --run) the exact vllm serve line that extracts hidden states of a model.",
+    ),
     "import-speculators": (
         "hsgen.speculators_import_cli:import_speculators",
         "Import a hidden-state cache speculators wrote (hs_<row>.safetensors + its dataset) into a store.",

@@ -5,14 +5,16 @@ when given or found, the JSON of ``spectrain eval --json``. Writes into ``<save_
 (or ``out_dir``):
 
 - ``loss_lr.png``: training loss (and validation loss) with the learning rate on a second axis;
-- ``acceptance.png``: per draft position, the share of correct greedy tokens over steps
-  (validation records, or training records when a run had no validation);
-- ``tau.png``: expected acceptance length over steps, training and validation;
+- ``position_accuracy.png``: per draft position, the share of draft tokens equal to the
+  verifier's greedy token, teacher-forced (validation records, or training records when a run
+  had no validation): training accuracy, not the acceptance a served draft reaches;
+- ``tau.png``: the acceptance length that accuracy implies, training and validation, with each
+  eval's measured tau beside it as a level line;
 - ``throughput.png``: tokens/s and the share of step time spent waiting for data;
-- ``eval_acceptance.png``: the eval's histogram of accepted drafts per verifier step and its
-  per-position acceptance (only with an eval JSON);
-- ``index.html``: every chart embedded as a data URI (the page is one self-contained file) plus
-  a summary table.
+- ``eval_acceptance.png``: the eval's measured acceptance: histogram of accepted drafts per
+  verifier step and acceptance per position (only with an eval JSON);
+- ``index.html``: every chart embedded as a data URI (the page is one self-contained file), a
+  summary table and the run's hyperparameters (from the latest checkpoint's config).
 
 matplotlib draws the charts off screen (the Agg canvas, no display needed).
 """
@@ -87,6 +89,11 @@ def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[fl
     return xs, ys
 
 
+def _style(n: int, validation: bool = False) -> str:
+    """Line style of a series of ``n`` points: markers where lines alone would not show them."""
+    return "o-" if validation or n <= 20 else "-"
+
+
 def _figure():
     try:
         from matplotlib.figure import Figure
@@ -104,7 +111,8 @@ def _save(fig, path: Path) -> Path:
 def plot_loss_lr(m: RunMetrics, path: Path) -> Path:
     fig = _figure()
     ax = fig.add_subplot()
-    ax.plot(*_series(m.train, "loss"), label="train loss", color="tab:blue")
+    tx, ty = _series(m.train, "loss")
+    ax.plot(tx, ty, _style(len(tx)), label="train loss", color="tab:blue", markersize=3)
     vx, vy = _series(m.validation, "loss")
     if vx:
         ax.plot(vx, vy, "o-", label="validation loss", color="tab:orange")
@@ -112,7 +120,8 @@ def plot_loss_lr(m: RunMetrics, path: Path) -> Path:
     ax.set_ylabel("loss")
     ax.grid(alpha=0.3)
     lr = ax.twinx()
-    lr.plot(*_series(m.train, "lr"), label="learning rate", color="tab:gray", linestyle="--")
+    lx, ly = _series(m.train, "lr")
+    lr.plot(lx, ly, "o--" if len(lx) <= 20 else "--", label="learning rate", color="tab:gray", markersize=3)
     lr.set_ylabel("learning rate")
     handles = ax.get_legend_handles_labels()[0] + lr.get_legend_handles_labels()[0]
     ax.legend(handles=handles, loc="upper right")
@@ -130,27 +139,32 @@ def plot_acceptance(m: RunMetrics, path: Path) -> Path:
     for i in range(width):
         xs = [int(r["step"]) for r in records if len(r.get("acc") or []) > i]
         ys = [float(r["acc"][i]) for r in records if len(r.get("acc") or []) > i]
-        ax.plot(xs, ys, "o-" if split == "validation" else "-", label=f"position {i + 1}", markersize=3)
+        ax.plot(xs, ys, _style(len(xs), split == "validation"), label=f"position {i + 1}", markersize=3)
     ax.set_ylim(0, 1)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("draft token = verifier's greedy token")
-    ax.set_title(f"Acceptance per draft position ({split})")
+    ax.set_title(f"Training accuracy per draft position ({split}, teacher-forced; not measured acceptance)")
     ax.grid(alpha=0.3)
     if width:
         ax.legend(loc="best", ncol=2 if width > 6 else 1, fontsize="small")
     return _save(fig, path)
 
 
-def plot_tau(m: RunMetrics, path: Path) -> Path:
+def plot_tau(m: RunMetrics, path: Path, evals: list[tuple[Path, dict[str, Any]]] = ()) -> Path:
     fig = _figure()
     ax = fig.add_subplot()
-    ax.plot(*_series(m.train, "tau"), label="train", color="tab:blue")
+    tx, ty = _series(m.train, "tau")
+    ax.plot(tx, ty, _style(len(tx)), label="train (from accuracy)", color="tab:blue", markersize=3)
     vx, vy = _series(m.validation, "tau")
     if vx:
-        ax.plot(vx, vy, "o-", label="validation", color="tab:orange")
+        ax.plot(vx, vy, "o-", label="validation (from accuracy)", color="tab:orange")
+    for i, (p, ev) in enumerate(evals):
+        if isinstance(ev.get("tau"), int | float):
+            ax.axhline(float(ev["tau"]), color=f"C{(i + 2) % 10}", linestyle=":",
+                       label=f"eval {p.stem}: measured tau {float(ev['tau']):.3f}")  # fmt: skip
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("tau (tokens per verifier step)")
-    ax.set_title("Expected acceptance length")
+    ax.set_title("Acceptance length: implied by training accuracy vs measured by spectrain eval")
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
     return _save(fig, path)
@@ -159,11 +173,13 @@ def plot_tau(m: RunMetrics, path: Path) -> Path:
 def plot_throughput(m: RunMetrics, path: Path) -> Path:
     fig = _figure()
     top, bottom = fig.subplots(2, 1, sharex=True)
-    top.plot(*_series(m.train, "tokens_per_s"), color="tab:green")
+    px, py = _series(m.train, "tokens_per_s")
+    top.plot(px, py, _style(len(px)), color="tab:green", markersize=3)
     top.set_ylabel("tokens/s")
     top.set_title("Throughput and data wait")
     top.grid(alpha=0.3)
-    bottom.plot(*_series(m.train, "data_wait_fraction"), color="tab:red")
+    wx, wy = _series(m.train, "data_wait_fraction")
+    bottom.plot(wx, wy, _style(len(wx)), color="tab:red", markersize=3)
     bottom.set_ylim(0, 1)
     bottom.set_ylabel("data-wait fraction")
     bottom.set_xlabel("optimizer step")
@@ -189,7 +205,7 @@ def plot_eval(report: dict[str, Any], path: Path) -> Path:
     right.set_xticks(range(1, len(rate) + 1))
     right.set_xlabel("draft position")
     right.set_ylabel("accepted")
-    right.set_title("Acceptance per position")
+    right.set_title("Measured acceptance per position")
     return _save(fig, path)
 
 
@@ -232,7 +248,12 @@ def _summary_rows(
         rows.append(("data", "online" if train.get("online") else str(train.get("store", ""))))
     if m.train:
         last = m.train[-1]
-        rows.append(("last step", f"{last['step']} (epoch {last.get('epoch', '?')})"))
+        epochs = train.get("epochs")
+        epoch = last.get("epoch")
+        where = (
+            f"epoch {int(epoch) + 1}" + (f" of {epochs}" if epochs else "") if isinstance(epoch, int) else "?"
+        )
+        rows.append(("last step", f"{last['step']} ({where})"))
         if "loss" in last:
             rows.append(("last training loss", f"{float(last['loss']):.4f}"))
         rate = [float(r["tokens_per_s"]) for r in m.train if "tokens_per_s" in r]
@@ -250,7 +271,24 @@ def _summary_rows(
     return rows
 
 
-def _html(title: str, rows: list[tuple[str, str]], charts: list[tuple[str, Path]]) -> str:
+HYPERPARAMETERS = ("speculator_type", "epochs", "max_steps", "lr", "optimizer", "muon_lr", "schedule",
+                   "warmup_steps", "warmup_ratio", "min_lr_ratio", "weight_decay", "betas", "max_grad_norm",
+                   "total_seq_len", "grad_accum", "seed", "val_fraction", "precision", "distributed")  # fmt: skip
+"""The training fields the page lists (every draft option follows them)."""
+
+
+def hyperparameter_rows(cfg: dict[str, Any]) -> list[tuple[str, str]]:
+    """The run's hyperparameters: the fields above, then the resolved draft config."""
+    train, draft = cfg.get("train") or {}, cfg.get("draft") or {}
+    rows = [(k, json.dumps(train[k])) for k in HYPERPARAMETERS if train.get(k) is not None]
+    rows += [
+        (f"draft.{k}", json.dumps(v)) for k, v in sorted(draft.items()) if v is not None and k != "algorithm"
+    ]
+    return rows
+
+
+def _html(title: str, rows: list[tuple[str, str]], charts: list[tuple[str, Path]],
+          hyper: list[tuple[str, str]] = ()) -> str:  # fmt: skip
     parts = [
         "<!doctype html>",
         '<html lang="en"><head><meta charset="utf-8">',
@@ -264,6 +302,9 @@ def _html(title: str, rows: list[tuple[str, str]], charts: list[tuple[str, Path]
         *(f"<tr><td>{html.escape(k)}</td><td>{html.escape(v)}</td></tr>" for k, v in rows),
         "</table>",
     ]
+    if hyper:
+        parts += ["<h2>Hyperparameters</h2>", "<table>",
+                  *(f"<tr><td>{html.escape(k)}</td><td>{html.escape(v)}</td></tr>" for k, v in hyper), "</table>"]  # fmt: skip
     for caption, png in charts:
         data = base64.b64encode(png.read_bytes()).decode("ascii")
         parts.append(
@@ -301,16 +342,24 @@ def write_report(
     evals = [(p, _read_eval(p)) for p in paths]
     charts = [
         ("Loss and learning rate", plot_loss_lr(metrics, out / "loss_lr.png")),
-        ("Acceptance per draft position", plot_acceptance(metrics, out / "acceptance.png")),
-        ("Expected acceptance length (tau)", plot_tau(metrics, out / "tau.png")),
+        (
+            "Training accuracy per draft position (teacher-forced)",
+            plot_acceptance(metrics, out / "position_accuracy.png"),
+        ),
+        (
+            "Acceptance length: implied by training accuracy, measured by eval",
+            plot_tau(metrics, out / "tau.png", evals),
+        ),
         ("Tokens/s and data-wait fraction", plot_throughput(metrics, out / "throughput.png")),
     ]
     for i, (p, ev) in enumerate(evals):
         name = "eval_acceptance.png" if len(evals) == 1 else f"eval_acceptance_{i}.png"
-        charts.append((f"Eval {p.name}: accepted drafts per step", plot_eval(ev, out / name)))
-    rows = _summary_rows(metrics, _latest_config(save_path), evals)
+        charts.append((f"Eval {p.name}: measured acceptance", plot_eval(ev, out / name)))
+    cfg = _latest_config(save_path)
+    rows = _summary_rows(metrics, cfg, evals)
     page = out / "index.html"
-    page.write_text(_html(f"spectrain run {save_path.resolve().name}", rows, charts), encoding="utf-8")
+    page.write_text(_html(f"spectrain run {save_path.resolve().name}", rows, charts, hyperparameter_rows(cfg)),
+                    encoding="utf-8")  # fmt: skip
     return {
         "html": str(page),
         "png": [str(p) for _, p in charts],

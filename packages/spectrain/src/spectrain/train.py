@@ -295,6 +295,9 @@ class Trainer:
                 self.position = 0
                 if self.val_source is not None and not cfg.val_every:
                     summary["validation"] = self.validate()
+            if window.steps:  # the last step is always logged, however short the run
+                self.checks.check()
+                self.metrics.write(self._train_record(window))
             if last_saved != self.global_step:
                 self.save()
             self.checks.check()
@@ -366,7 +369,8 @@ class Trainer:
 
     def _train_record(self, window: LogWindow) -> dict[str, Any]:
         """The log record of the steps since the last one (reads the device: the log-interval sync)."""
-        return train_record(window, self.info, step=self.global_step, epoch=self.epoch, position=self.position,
+        epoch = self.epoch - 1 if self.position == 0 and self.epoch > 0 else self.epoch  # the step's epoch
+        return train_record(window, self.info, step=self.global_step, epoch=epoch, position=self.position,
                             lr=self.optimizer.lr, skipped=self.checks.skipped, source=self.source)  # fmt: skip
 
     @torch.no_grad()
