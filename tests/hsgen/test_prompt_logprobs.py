@@ -118,3 +118,39 @@ def test_reference_server_logprobs_equal_transformers_forward(tiny_model_dir):
     targets = parse_target_ids(_result(seqs[0], json.loads(json.dumps(entries)), (outs[0].next_token,)), 3)
     assert targets == logits.argmax(-1).tolist()  # the verifier's greedy token after every position
     ext.close()
+
+
+def test_reference_server_answers_and_checks_prompt_logprobs_like_vllm(tmp_path):
+    import urllib.error
+    import urllib.request
+
+    from hsgen.serve.testing import running_server
+
+    def post(url, body):
+        req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})  # fmt: skip
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    with running_server("tiny", [1, 2], tmp_path / "shm", dtype="float32") as url:
+        body = completion_request("tiny", [1, 5, 9, 40], prompt_logprobs=2)
+        status, out = post(url, body)
+        assert status == 200
+        choice = out["choices"][0]
+        entries = choice["prompt_logprobs"]
+        assert entries[0] is None and len(entries) == 4
+        for i, entry in enumerate(entries[1:], start=1):
+            assert next(iter(entry)) == str(body["prompt"][i])  # the prompt token first
+            assert sorted(
+                v["rank"] for k, v in entry.items() if k != str(body["prompt"][i]) or v["rank"] <= 2
+            )[:2] == [1, 2]
+        result = _result(choice["prompt_token_ids"], entries, tuple(choice["token_ids"]))
+        assert len(parse_target_ids(result, 2)) == 4
+        assert post(url, completion_request("tiny", [1, 5]))[1]["choices"][0]["prompt_logprobs"] is None
+        status, err = post(url, {**body, "prompt_logprobs": 21})
+        assert status == 400 and "greater than max allowed: 20" in err["error"]["message"]
+        status, err = post(url, {**body, "prompt_logprobs": -2})
+        assert status == 400 and "must be a positive value or -1" in err["error"]["message"]
