@@ -22,6 +22,7 @@ The last stdout line is JSON: ``bytes_per_token_ratio`` (the recommended layout,
 against the peer), ``tau_delta_dflash`` and ``tau_delta_eagle3`` (relative, recommended against
 ``raw``), ``exact_match``, and per layout its bytes, ratio and taus. Exit status 1 when anything
 it reports was not measured or an output differed from greedy decoding.
+``--bytes-only`` builds the stores and reports their bytes alone (no tau, nothing else claimed).
 ``--quick`` (48 prompts, 1 epoch, 4 eval prompts) checks the whole path in a few minutes; the
 default (the quality benchmark's quick size, 8 trainings) takes about 45 minutes on the shared
 2-core VM.
@@ -108,6 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--threads", type=int, default=1, help="Torch threads of every step.")
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help="Layouts to run (default: all four).")
+    parser.add_argument(
+        "--bytes-only",
+        action="store_true",
+        help="Build the stores and report bytes per token only (no training).",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
 
@@ -153,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             row = {"codec": codec, "targets": targets, "layers": layers, "samples": len(ids), "tokens": tokens,
                    "bytes_per_token": round(ours / tokens, 2), "peer_bytes_per_token": round(peer / tokens, 2),
                    "ratio": round(ours / peer, 4)}  # fmt: skip
-            for algorithm in ("dflash", "eagle3"):
+            for algorithm in () if args.bytes_only else ("dflash", "eagle3"):
                 draft_aux = dflash_aux if algorithm == "dflash" else eagle_aux
                 draft, summary = bq.train_draft(
                     algorithm, size, target, store, draft_aux, work, "cpu", [], name
@@ -165,6 +171,13 @@ def main(argv: list[str] | None = None) -> int:
             results[name] = row
             log.info("%s: %s", name, json.dumps(row))
             (work / "results-storage.json").write_text(json.dumps(results, indent=2) + "\n")
+        if args.bytes_only:
+            final_bytes = {"bytes_per_token_ratio": results[RECOMMENDED]["ratio"] if RECOMMENDED in results else None,
+                           **{f"ratio_{n}": r["ratio"] for n, r in results.items()},
+                           **{f"bytes_per_token_{n}": r["bytes_per_token"] for n, r in results.items()},
+                           "peer_bytes_per_token": results["raw"]["peer_bytes_per_token"]}  # fmt: skip
+            print(json.dumps(final_bytes))
+            return 0
         raw = results["raw"]
         for row in results.values():
             for algorithm in ("dflash", "eagle3"):
