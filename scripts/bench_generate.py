@@ -11,7 +11,8 @@
    compared with a raw copy of the same bytes from /dev/shm to the same disk (fsync'd).
 
 Progress goes to stderr; the last stdout line is JSON with ``saturation_min``,
-``ingest_ratio`` and ``ingest_gbps``.
+``ingest_ratio`` and ``ingest_gbps``. A run that stored nothing, failed a sample or ended on a
+fatal error measured nothing: the script says why on stderr and exits 1, printing no figure.
 """
 
 from __future__ import annotations
@@ -45,6 +46,21 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+class NotMeasured(Exception):
+    """A part of the benchmark did not run as it must: no figure of it may be printed."""
+
+
+def check_ran(summary, what: str, expect_all: int | None = None) -> None:
+    """Raise :class:`NotMeasured` unless the generate run stored samples and lost none."""
+    if summary.fatal or summary.stored == 0 or summary.failed:
+        raise NotMeasured(
+            f"{what}: {summary.stored} stored, {summary.failed} failed, fatal: {summary.fatal} "
+            f"(failures: {summary.failure_reasons})"
+        )
+    if expect_all is not None and summary.stored != expect_all:
+        raise NotMeasured(f"{what}: {summary.stored} of {expect_all} samples stored")
+
+
 def served_count(url: str) -> float:
     with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
         return protocol.parse_prometheus(r.read().decode()).get("vllm:request_success_total", 0.0)
@@ -66,6 +82,7 @@ async def run_client(url, shared, prompts, store, concurrency, seconds, measure_
     n1, t1 = await asyncio.to_thread(served_count, url), time.monotonic()
     stop.set()
     summary = await task
+    check_ran(summary, f"saturation against {url}")
     limit = summary.endpoints.get(url, {}).get("limit")
     return (n1 - n0) / (t1 - t0), limit
 
@@ -94,6 +111,7 @@ def bench_saturation(capacities, ideal_rate, prompt_len, quick, workdir: Path) -
             "tiny",
             [1, 2, 4],
             shared,
+            dtype="float32",  # the store's: --dtype auto would send the model's bf16
             capacity=model,
             mode="process",
             max_num_seqs=max(256, cap),
@@ -236,7 +254,7 @@ def hsgen_ingest(url: str, shared: Path, dest: Path, prompts, hidden: int) -> fl
     t0 = time.perf_counter()
     summary = asyncio.run(generate(cfg, prompts, store, progress=False))
     dt = time.perf_counter() - t0
-    assert summary.stored == len(prompts), summary.to_json()
+    check_ran(summary, "ingest", expect_all=len(prompts))
     return dt
 
 
@@ -306,13 +324,12 @@ def main() -> None:
             out["saturation_min"] = min(r["hsgen_default"] for r in rows)
         if not args.skip_ingest:
             out.update(bench_ingest(workdir, args.quick, reps=3 if args.quick else 5))
+    except NotMeasured as e:
+        log(f"bench_generate: not measured: {e}")
+        sys.exit(1)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    final = {
-        "saturation_min": out.get("saturation_min"),
-        "ingest_ratio": out.get("ingest_ratio"),
-        "ingest_gbps": out.get("ingest_gbps"),
-    }
+    final = {k: out[k] for k in ("saturation_min", "ingest_ratio", "ingest_gbps") if k in out}
     log(json.dumps(out))
     print(json.dumps(final))
 

@@ -150,3 +150,22 @@ def test_spectrain_paths_and_servers(box, tiny_model_dir):
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     errors = [line for line in r.stderr.splitlines() if dead in line]
     assert len(errors) == 1 and "refused" in errors[0] and r.stderr.strip().splitlines()[-1] == errors[0]
+
+
+def test_online_against_a_server_that_never_answers_ends_after_max_down(box, tiny_model_dir):
+    """Issue 21, hole 5: the first-sample probe counted fatal errors as skips (8 in a row, up to
+    600 s each) and ended in a traceback; now --max-down ends the run in one line."""
+    import time
+
+    with running_server(tiny_model_dir, [1, 2, 3, 4], box / "hs", dtype="float32") as url:
+        url.set_faults("hang=1.0,hang_s=90")
+        t0 = time.monotonic()
+        r = run("train", "--verifier", tiny_model_dir, "--max-steps", "1", "--online", "--endpoint", url,
+                "--prompts", box / "good.jsonl", "--save-path", box / "run", "--shared-dir", box / "hs",
+                "--online-option", "layer_ids=[1,2,3,4]", "--max-down", "3", module="spectrain.cli",
+                timeout=240)  # fmt: skip
+        took = time.monotonic() - t0
+        url.set_faults(None)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "--max-down 3" in r.stderr.strip().splitlines()[-1], r.stderr
+    assert took < 120, f"{took:.0f} s"

@@ -43,6 +43,23 @@ def write_states_file(path: str, hidden: np.ndarray, token_ids: np.ndarray, dtyp
         f.write(np.ascontiguousarray(hidden).tobytes())
 
 
+HUGE_HIDDEN = 459_649
+HUGE_TOKENS = 1_000_000
+
+
+def write_sparse_states_file(path: str, ids, num_layers: int, dtype: str, fault: str) -> None:
+    """A file whose header claims a huge hidden size or token count, its payload a sparse hole."""
+    hidden = HUGE_HIDDEN if fault == "huge_hidden" else 8
+    t = HUGE_TOKENS if fault == "huge_tokens" else len(ids)
+    tensors = [("token_ids", "int64", (t,)), ("hidden_states", dtype, (t, num_layers, hidden))]
+    header, _ = protocol.safetensors_header_bytes(tensors)
+    item = np.dtype(NP_DTYPES[dtype]).itemsize
+    with open(path, "wb") as f:
+        f.write(header)
+        f.write(np.asarray(ids, dtype=np.int64).tobytes())
+        f.truncate(len(header) + t * 8 + t * num_layers * hidden * item)
+
+
 @dataclass
 class FakeConfig:
     """Behaviour of the fake server.
@@ -61,7 +78,8 @@ class FakeConfig:
             ``token_mismatch``, ``outside``, ``stale_lock``, ``hang`` (``hang_s``), ``bad_json``;
             hostile ones: ``symlink_swap`` (the file is named in a subdirectory that becomes a
             symlink to ``outside_dir`` before the file is written there), ``fifo_lock`` and
-            ``fifo_file`` (a FIFO where the lock or the file should be).
+            ``fifo_file`` (a FIFO where the lock or the file should be), ``huge_hidden`` and
+            ``huge_tokens`` (a sparse file whose header claims a huge hidden size or token count).
         outside_dir: where ``outside`` and ``symlink_swap`` put their file (default: a sibling of
             ``shared_dir``).
         fault_by_first_token: fault applied to every request whose first token id matches.
@@ -200,6 +218,9 @@ class FakeVLLM:
             path = os.path.join(outside, name)
         if fault in ("symlink_swap", "fifo_lock", "fifo_file"):
             return self._hostile(fault, ids, name, outside)
+        if fault in ("huge_hidden", "huge_tokens"):
+            write_sparse_states_file(path, ids, self.cfg.num_layers, self.cfg.dtype, fault)
+            return web.Response(text=json.dumps(self._response(ids, path)), content_type="application/json")
         file_ids = list(ids)
         if fault == "token_mismatch":
             file_ids[0] += 1

@@ -180,3 +180,38 @@ def test_sigterm_with_a_silent_server_ends_within_the_grace(tmp_path):
         summary = json.loads(out.splitlines()[-1])
         assert summary["stored"] == 10 and summary["failed"] == 0, summary
         assert len(HiddenStateStore.open(run_dir / "st")) == 10
+
+
+def test_sigterm_after_the_input_is_used_up_ends_within_the_grace(tmp_path):
+    """Issue 21, hole 4: with every prompt sent, the run waits in its drain for the last requests;
+    a SIGTERM there must still end it within --stop-grace (it used to wait for --timeout)."""
+    shared = tmp_path / "shm"
+    fake = FakeVLLM(FakeConfig(str(shared), faults=[None] * 10 + ["hang"] * 4, hang_s=60))
+    with fake.in_thread() as url:
+        proc = start_generate(tmp_path, url, shared, 14, "--stop-grace", 2)
+        wait_for(lambda: fake.requests >= 14 or proc.poll() is not None)
+        time.sleep(1.0)  # the input is used up: the run is draining
+        assert proc.poll() is None, proc.communicate()
+        took, out, err = sigterm_and_wait(proc)
+    assert proc.returncode == EXIT_INTERRUPTED, err[-2000:]
+    assert took < 2 + 6, f"{took:.1f} s with --stop-grace 2"
+    assert "Traceback" not in err
+    summary = json.loads(out.splitlines()[-1])
+    assert summary["stored"] == 10 and summary["failed"] == 0, summary
+
+
+def test_a_server_that_never_answers_a_request_ends_the_run_after_max_down(tmp_path):
+    """Issue 21, hole 5: a server answering GET but never POST ended a run only after --timeout
+    (600 s); no answer to anything for --max-down now ends it, in one line."""
+    shared = tmp_path / "shm"
+    fake = FakeVLLM(FakeConfig(str(shared), faults=["hang"] * 100, hang_s=120))
+    with fake.in_thread() as url:
+        r, took = run_cli(
+            "generate", tokens_file(tmp_path / "d.jsonl", 5), "--store", tmp_path / "st", "--endpoint", url,
+            "--layer-ids", "1,2,4", "--shared-dir", shared, "--no-progress", "--max-down", "3", timeout=120,
+        )  # fmt: skip
+    assert r.returncode == EXIT_FAILURE, r.stderr
+    assert took < 40, f"{took:.1f} s with --max-down 3"
+    assert "Traceback" not in r.stderr
+    lines = [line for line in error_lines(r.stderr) if "--max-down 3" in line]
+    assert len(lines) == 1 and "unanswered" in lines[0], r.stderr

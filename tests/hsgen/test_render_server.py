@@ -24,7 +24,7 @@ CONV = [
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_model_dir):
     with running_server(
-        tiny_model_dir, [1, 4], tmp_path_factory.mktemp("hs"), served_model_name="tiny"
+        tiny_model_dir, [1, 4], tmp_path_factory.mktemp("hs"), served_model_name="tiny", enable_scale_out=True
     ) as url:
         yield url
 
@@ -85,3 +85,21 @@ def test_cli_render_with_server_refuses_a_local_tokenizer_too(server, tiny_model
         main, ["render", str(data), "--server", server, "--tokenizer", str(tiny_model_dir)]
     )
     assert res.exit_code == 2 and "--server" in res.output
+
+
+def test_cli_render_names_the_flag_when_the_render_endpoint_is_off(
+    tiny_model_dir, sample_chats_path, tmp_path
+):
+    """vLLM (and hsgen serve) answer 403 on the render endpoint without --enable-scale-out: one line
+    naming the flag, whatever --on-bad-input says (no record could be rendered)."""
+    from click.testing import CliRunner
+
+    from hsgen.cli import main
+
+    with running_server(tiny_model_dir, [1, 4], tmp_path / "hs", served_model_name="tiny") as url:
+        for policy in ("fail", "skip"):
+            res = CliRunner().invoke(main, ["render", str(sample_chats_path), "--server", url,
+                                            "--on-bad-input", policy])  # fmt: skip
+            assert res.exit_code == 1, res.output
+            (line,) = [x for x in res.output.splitlines() if x.startswith("Error")]
+            assert "403" in line and "--enable-scale-out" in line and "--tokenizer" in line

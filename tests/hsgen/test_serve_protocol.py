@@ -18,7 +18,12 @@ MAX_MODEL_LEN = 64
 def server(tmp_path_factory):
     shared = tmp_path_factory.mktemp("hs")
     with running_server(
-        tiny_dir(), TINY_LAYERS, shared, max_model_len=MAX_MODEL_LEN, served_model_name="tiny"
+        tiny_dir(),
+        TINY_LAYERS,
+        shared,
+        max_model_len=MAX_MODEL_LEN,
+        served_model_name="tiny",
+        enable_scale_out=True,
     ) as url:
         yield url
 
@@ -60,6 +65,7 @@ def test_completion_with_token_ids_writes_vllm_file(server):
         "total_tokens": 8,
         "completion_tokens": 1,
         "prompt_tokens_details": None,
+        "completion_tokens_details": None,
     }
     path = result.hidden_states_path
     assert os.path.dirname(path) == str(server.shared_dir)
@@ -81,13 +87,6 @@ def test_x_request_id_names_the_completion_and_file(server):
     assert status == 200
     assert resp["id"] == "cmpl-abc123"
     assert os.path.basename(resp["kv_transfer_params"]["hidden_states_path"]).startswith("cmpl-abc123-0-")
-    status, resp = http(
-        server,
-        "/v1/completions",
-        protocol.completion_request("tiny", [5, 6]),
-        headers={"X-Request-Id": "a/b"},
-    )
-    assert status == 400 and "/" in resp["error"]["message"]
 
 
 def test_text_prompt_matches_tokenize(server):
@@ -101,7 +100,7 @@ def test_text_prompt_matches_tokenize(server):
 def test_return_token_ids_false_omits_ids(server):
     status, resp = http(server, "/v1/completions", {"model": "tiny", "prompt": [3, 4, 5], "max_tokens": 1})
     assert status == 200
-    assert "prompt_token_ids" not in resp["choices"][0]
+    assert resp["choices"][0]["prompt_token_ids"] is None and resp["choices"][0]["token_ids"] is None
     assert "hidden_states_path" in resp["kv_transfer_params"]
 
 
@@ -152,7 +151,8 @@ def test_chat_generation_prompt_flags(server):
         "/v1/chat/completions/render",
         {"messages": partial, "add_generation_prompt": False, "continue_final_message": True},
     )
-    assert status == 200 and cont["prompt"].endswith("Hel")
+    assert status == 200 and "prompt" not in cont
+    assert http(server, "/detokenize", {"tokens": cont["token_ids"]})[1]["prompt"].endswith("Hel")
     status, err = http(
         server,
         "/v1/chat/completions",
@@ -185,36 +185,6 @@ def test_custom_save_path_is_ignored_without_permission(server, tmp_path):
     assert path != custom and os.path.dirname(path) == str(server.shared_dir)
     wait_lock_shared(path)
     assert not os.path.exists(custom)
-
-
-def test_errors_match_vllm(server):
-    status, err = http(
-        server, "/v1/completions", {"model": "tiny", "prompt": list(range(1, MAX_MODEL_LEN + 1))}
-    )
-    assert status == 400
-    assert err == protocol.error_body(protocol.context_length_message(MAX_MODEL_LEN, MAX_MODEL_LEN))
-    ok, _ = http(
-        server, "/v1/completions", {"model": "tiny", "prompt": list(range(1, MAX_MODEL_LEN)), "max_tokens": 1}
-    )
-    assert ok == 200
-    status, err = http(
-        server, "/v1/completions", {"model": "tiny", "prompt": list(range(1, 60)), "max_tokens": 10}
-    )
-    assert (
-        status == 400
-        and "'max_tokens' or 'max_completion_tokens' is too large: 10" in err["error"]["message"]
-    )
-    status, err = http(server, "/v1/completions", {"model": "tiny", "prompt": []})
-    assert status == 400 and err["error"]["message"] == protocol.EMPTY_PROMPT_MESSAGE
-    assert err["error"]["type"] == "BadRequestError" and err["error"]["code"] == 400
-    status, err = http(server, "/v1/completions", {"model": "other", "prompt": [1]})
-    assert status == 404 and err["error"]["type"] == "NotFoundError" and "`other`" in err["error"]["message"]
-    status, err = http(server, "/v1/completions", b"{not json")
-    assert status == 400 and err["error"]["code"] == 400
-    status, err = http(server, "/v1/completions", {"model": "tiny", "prompt": [10**9]})
-    assert status == 400 and "vocabulary" in err["error"]["message"]
-    status, err = http(server, "/v1/nothing", {})
-    assert status == 404
 
 
 def test_metrics_count_prompt_tokens(server):

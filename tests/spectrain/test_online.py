@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -369,8 +370,22 @@ def test_header_mismatch_is_a_clear_error(server, prompts_file, tiny_model_dir, 
     cfg = make_config(server, prompts_file, tiny_model_dir, tmp_path)
     with OnlineSource(cfg) as src:
         plan = src.plan(0)
-        with pytest.raises(RuntimeError, match=r"layers \[1, 2\]"):
+        with pytest.raises(RuntimeError, match=r"sends 3 layers, 2 were asked for"):
             src.get(plan[0])
+
+
+def test_a_new_store_never_adopts_a_hidden_size_the_model_does_not_have(
+    server, prompts_file, tiny_model_dir, tmp_path
+):
+    """The server's files are checked on their header against the verifier's config (issue 21, hole 3)."""
+    verifier = tmp_path / "verifier"
+    shutil.copytree(tiny_model_dir, verifier)
+    config = json.loads((verifier / "config.json").read_text())
+    (verifier / "config.json").write_text(json.dumps({**config, "hidden_size": 32}))
+    cfg = make_config(server, prompts_file, verifier, tmp_path, cache_generated=True)
+    with OnlineSource(cfg) as src, pytest.raises(RuntimeError, match="hidden size 64, the model's is 32"):
+        src.get(src.plan(0)[0])
+    assert not (tmp_path / "store").exists()
 
 
 def test_choose_scratch_dir_falls_back_when_tmpfs_is_small(tmp_path):

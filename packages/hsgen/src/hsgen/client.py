@@ -41,6 +41,7 @@ from hsgen.client_types import ClientConfig, FetchedSample, normalize_endpoint
 from hsgen.errors import FatalError, FetchError, FetchStopped, describe_transport
 from hsgen.hidden_file import (
     STORAGE_DTYPES,
+    ExpectedStates,
     FileWait,
     HiddenFileReader,
     all_finite,
@@ -96,6 +97,7 @@ class HiddenStateClient:
             c.include_output_tokens,
             c.map_files,
             c.rows_in_file,
+            ExpectedStates(c.expect_layers, c.expect_hidden_size, c.expect_dtype),
         )
         self._files = HiddenFileReader(self.shared, wait, self._pool)
         self._last_alive = time.monotonic()
@@ -455,6 +457,32 @@ class HiddenStateClient:
         except protocol.ProtocolError as e:
             raise FetchError("bad_targets", f"{url}: {e}", transient=False, endpoint=url) from None
 
+    async def _send(self, url: str, body: str, request_id: str) -> tuple[bytes, int]:
+        async with self.session.post(
+            url + "/v1/completions", data=body, headers=self._headers(request_id)
+        ) as r:
+            return await r.read(), r.status
+
+    async def _answered_or_down(self, url: str, coro):
+        """``coro``'s result; :class:`FatalError` ``endpoints_down`` as soon as no server has
+        answered anything for ``max_down_s`` while it waits (a server that takes requests and
+        never answers them ends a run after ``--max-down``, not after ``--timeout``)."""
+        limit = self.config.max_down_s
+        task = asyncio.ensure_future(coro)
+        try:
+            while True:
+                done, _ = await asyncio.wait(
+                    {task}, timeout=max(0.05, min(1.0, limit / 4)) if limit else None
+                )
+                if done:
+                    return task.result()
+                if time.monotonic() - self._last_alive > limit:
+                    self._last_down_error = f"{url}: POST /v1/completions unanswered"
+                    self._check_down()
+        finally:
+            if not task.done():
+                task.cancel()
+
     async def _post_completion(
         self, url: str, model: str, prompt: RenderedPrompt, request_id: str
     ) -> protocol.ExtractionResult:
@@ -468,11 +496,7 @@ class HiddenStateClient:
             prompt_logprobs=PROMPT_LOGPROBS if self.config.targets == "argmax" else None,
         )
         try:
-            async with self.session.post(
-                url + "/v1/completions", data=json.dumps(body), headers=self._headers(request_id)
-            ) as r:
-                raw = await r.read()
-                status = r.status
+            raw, status = await self._answered_or_down(url, self._send(url, json.dumps(body), request_id))
         except TimeoutError:
             raise FetchError(
                 "timeout",

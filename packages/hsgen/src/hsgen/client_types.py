@@ -54,6 +54,10 @@ class ClientConfig:
         max_down_s: end with :class:`FatalError` when no endpoint has answered any request for
             this long (0 = never give up).
         probe_timeout_s: limit for each endpoint's ``GET /v1/models`` in :meth:`HiddenStateClient.probe`.
+        expect_layers, expect_hidden_size, expect_dtype: what every file must hold (None =
+            unknown): checked on the file's header before its payload is read; a file that does
+            not fit ends the run (:class:`~hsgen.errors.FatalError` ``wrong_states``). Without a
+            hidden size, one over :data:`hsgen.hidden_file.MAX_HIDDEN_SIZE` is refused.
         request_prefix: start of every ``X-Request-Id`` (and so of every file name) this client
             causes; default a fresh ``hsgen-<12 hex>-`` (:func:`hsgen.shared_dir.new_client_prefix`).
     """
@@ -82,6 +86,9 @@ class ClientConfig:
     read_threads: int = 4
     max_down_s: float = 600.0
     probe_timeout_s: float = 10.0
+    expect_layers: int | None = None
+    expect_hidden_size: int | None = None
+    expect_dtype: str | None = None
     request_prefix: str = field(default_factory=new_client_prefix)
 
     def __post_init__(self) -> None:

@@ -48,7 +48,7 @@ from hsgen.store.leases import (
     read_leases,
     sweep_dead_leases,
 )
-from hsgen.store_sink import LazyStore, StoreSink, describe_os_error
+from hsgen.store_sink import LazyStore, StoreSink, describe_os_error, with_expected
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +161,7 @@ class _Run:
             on_bad_input=config.on_bad_input,
             report=self.report,
         )
-        self.client = HiddenStateClient(config.client)
+        self.client = HiddenStateClient(with_expected(config.client, store))
         self.sat = Saturator(
             config.saturation, list(self.client.endpoints), self.client.metrics, self.client.healthy
         )
@@ -365,17 +365,28 @@ class _Run:
         await self.sink.put(sample)
 
     async def _drain(self) -> None:
-        """Wait for the requests in flight: all of them, or after a stop those sent, ``stop_grace_s`` at most."""
-        if not self.tasks:
+        """Wait for the requests in flight: all of them, or once a stop comes (before or during
+        the wait) those sent, ``stop_grace_s`` at most from then."""
+        pending = set(self.tasks)
+        if pending and not self.stop.is_set():
+            stopper = asyncio.ensure_future(self.stop.wait())
+            try:
+                while pending and not self.stop.is_set():
+                    done, pending = await asyncio.wait(
+                        pending | {stopper}, return_when=asyncio.FIRST_COMPLETED
+                    )
+                    pending.discard(stopper)
+                    for t in done - {stopper}:
+                        t.result()  # a task's own error surfaces, as it would from gather
+            finally:
+                stopper.cancel()
+        if not pending:
             return
-        if self.stop.is_set():
-            self.client.stop_retrying()
-            _done, pending = await asyncio.wait(set(self.tasks), timeout=self.config.stop_grace_s)
-            for t in pending:
-                t.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
-        else:
-            await asyncio.gather(*list(self.tasks))
+        self.client.stop_retrying()
+        _done, pending = await asyncio.wait(pending, timeout=self.config.stop_grace_s)
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
 
 
 async def _heartbeat(lease: Lease) -> None:

@@ -144,6 +144,14 @@ def generate(
         )
     except ValueError as e:
         raise click.UsageError(str(e)) from None
+    if renderer.config.tokenizer_path:  # checked against each server before any work is sent
+        from hsgen.tokenizer_check import PROBE, TokenizerMismatch, check_served_tokenizer
+
+        try:
+            check_served_tokenizer(endpoints, renderer.encode(PROBE)[0], flag="--tokenizer",
+                                   api_key=api_key or None, model=model)  # fmt: skip
+        except TokenizerMismatch as e:
+            raise click.ClickException(str(e)) from None
     if store is None:
         store = _store_factory(store_path, ids, verifier or model, renderer.fingerprint, codec, cfg, targets)
     prompts = render_stream(list(inputs), renderer, on_bad_input=on_bad_input)

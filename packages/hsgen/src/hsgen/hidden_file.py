@@ -19,7 +19,9 @@ sample once (spectrain's read-once online mode) can leave the rows in the open f
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
+import json
 import mmap
 import os
 import time
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hsgen import protocol
-from hsgen.errors import FetchError
+from hsgen.errors import FatalError, FetchError
 from hsgen.render import RenderedPrompt
 from hsgen.shared_dir import SharedDir, UnsafePath, lock_held, remove_own_file
 from hsgen.store.fsutil import read_exact_into
@@ -37,6 +39,59 @@ STORAGE_DTYPES = {"bfloat16": np.uint16, "float16": np.float16, "float32": np.fl
 """Logical dtype -> numpy dtype the states are kept in (bf16 as raw uint16 bits, like the store)."""
 
 _EXPONENT_MASKS = {"bfloat16": 0x7F80, "float16": 0x7C00}
+
+MAX_HIDDEN_SIZE = 65536
+"""The largest hidden size believed when nothing else says what it is (the largest models have
+~25k): beyond it a file's header is refused before any of its payload is read."""
+
+
+@dataclass(frozen=True)
+class ExpectedStates:
+    """What the server's files must hold, checked on the header before the payload is read.
+
+    Each field is None when unknown (a new store): the layer count is the number of layer ids
+    asked for, the hidden size the model config's (or the store header's), the dtype the store's.
+    """
+
+    num_layers: int | None = None
+    hidden_size: int | None = None
+    dtype: str | None = None
+
+    @staticmethod
+    def model_hidden_size(model_dir: str | os.PathLike[str] | None) -> int | None:
+        """The hidden size in ``model_dir/config.json`` (a multimodal model's ``text_config``), or None."""
+        if not model_dir:
+            return None
+        try:
+            with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+                config = json.load(f)
+            size = config.get("text_config", config)["hidden_size"]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return None
+        return size if isinstance(size, int) and size > 0 else None
+
+    def problem(self, shape: tuple[int, ...], dtype: str) -> str | None:
+        """Why a ``[T, layers, hidden]`` tensor of ``dtype`` does not fit (None when it does)."""
+        if self.dtype is not None and dtype != self.dtype:
+            return f"the server sends {dtype} hidden states, the store holds {self.dtype}"
+        if self.num_layers is not None and shape[1] != self.num_layers:
+            return (
+                f"the server sends {shape[1]} layers, {self.num_layers} were asked for: check the "
+                "server's eagle_aux_hidden_state_layer_ids"
+            )
+        if self.hidden_size is not None and shape[2] != self.hidden_size:
+            return f"the server sends hidden size {shape[2]}, the model's is {self.hidden_size}"
+        if self.hidden_size is None and shape[2] > MAX_HIDDEN_SIZE:
+            return f"the server sends hidden size {shape[2]}, more than any model's ({MAX_HIDDEN_SIZE})"
+        return None
+
+
+class WrongStates(Exception):
+    """The file's header does not fit the request: its token count, layers, hidden size or dtype."""
+
+    def __init__(self, message: str, fatal: bool):
+        super().__init__(message)
+        self.fatal = fatal  # the server's shape or dtype (every file would be wrong), not this file's tokens
 
 
 def all_finite(a: np.ndarray, dtype: str, chunk: int = 1 << 20) -> bool:
@@ -144,7 +199,13 @@ class FileRows:
 
 
 def read_hidden_states_fd(
-    fd: int, *, map_file: bool = False, rows_in_file: bool = False
+    fd: int,
+    *,
+    map_file: bool = False,
+    rows_in_file: bool = False,
+    tokens: int | None = None,
+    extra_tokens: bool = False,
+    expect: ExpectedStates | None = None,
 ) -> tuple[np.ndarray | FileRows, np.ndarray, str]:
     """Read an open vLLM hidden-states safetensors file: ``(hidden_states, token_ids, dtype)``.
 
@@ -157,9 +218,15 @@ def read_hidden_states_fd(
     into the consumer's buffer (a file truncated meanwhile gives a short read, an error, never a
     SIGBUS). ``fd`` may be closed afterwards.
 
+    With ``tokens`` (the prompt's length), the header's token count must be that (or more with
+    ``extra_tokens``: generated tokens, dropped) and only that many rows are read; with
+    ``expect``, its layers, hidden size and dtype must fit. Both are checked before any of the
+    payload is read, so a huge file costs no more than its header.
+
     Raises:
         NotReady: the file is shorter than its header says (or shrank while it was read).
         protocol.ProtocolError: keys, dtypes or shapes are wrong.
+        WrongStates: the header does not fit ``tokens`` or ``expect``.
     """
     size = os.fstat(fd).st_size
     if size < 8:
@@ -183,6 +250,14 @@ def read_hidden_states_fd(
         raise protocol.ProtocolError(
             f"shapes hidden_states {list(hs.shape)} / token_ids {list(ti.shape)} are not [T, layers, hidden] / [T]"
         )
+    if tokens is not None:
+        t = ti.shape[0]
+        if t < tokens or (t != tokens and not extra_tokens):
+            raise WrongStates(f"file has {t} tokens but {tokens} were sent", fatal=False)
+        hs, ti = _first_rows(hs, tokens), _first_rows(ti, tokens)
+    problem = (expect or ExpectedStates()).problem(hs.shape, hs.dtype)
+    if problem is not None:
+        raise WrongStates(problem, fatal=True)
     storage = np.dtype(STORAGE_DTYPES[hs.dtype])
     if rows_in_file:
         try:
@@ -204,6 +279,11 @@ def read_hidden_states_fd(
         tokens = np.frombuffer(mm, dtype=np.int64, count=ti.shape[0], offset=ti.start)
         return hidden.reshape(hs.shape), tokens, hs.dtype
     return _pread_array(fd, hs, storage), _pread_array(fd, ti, np.dtype(np.int64)), hs.dtype
+
+
+def _first_rows(t: protocol.TensorInfo, n: int) -> protocol.TensorInfo:
+    row = t.nbytes // t.shape[0] if t.shape[0] else 0
+    return dataclasses.replace(t, shape=(n, *t.shape[1:]), end=t.start + n * row)
 
 
 def _pread_array(fd: int, tensor: protocol.TensorInfo, dtype: np.dtype) -> np.ndarray:
@@ -248,6 +328,7 @@ class FileWait:
     include_output_tokens: bool
     map_files: bool = False
     rows_in_file: bool = False
+    expect: ExpectedStates | None = None
 
 
 class HiddenFileReader:
@@ -324,20 +405,20 @@ class HiddenFileReader:
         fd = self.shared.open_regular(parts)
         if fd is None:
             raise NotReady("file does not exist")
+        n = len(prompt.token_ids)
         try:
             hidden, tokens, dtype = read_hidden_states_fd(
-                fd, map_file=self.wait.map_files, rows_in_file=self.wait.rows_in_file
-            )
+                fd, map_file=self.wait.map_files, rows_in_file=self.wait.rows_in_file, tokens=n,
+                extra_tokens=self.wait.include_output_tokens, expect=self.wait.expect,
+            )  # fmt: skip
         except protocol.ProtocolError as e:
             raise FetchError("bad_file", f"{path}: {e}", transient=True) from None
+        except WrongStates as e:
+            if e.fatal:
+                raise FatalError("wrong_states", f"{path}: {e}") from None
+            raise FetchError("token_mismatch", f"{path}: {e}", transient=False) from None
         finally:
             os.close(fd)
-        n = len(prompt.token_ids)
-        t = tokens.shape[0]
-        if t < n or (t != n and not self.wait.include_output_tokens):
-            raise FetchError(
-                "token_mismatch", f"{path}: file has {t} tokens but {n} were sent", transient=False
-            )
         sent = np.asarray(prompt.token_ids, dtype=np.int64)
         if not np.array_equal(tokens[:n], sent):
             bad = int(np.argmax(tokens[:n] != sent))
@@ -381,11 +462,14 @@ async def remove_misplaced(path: str, request_id: str, wait_s: float) -> None:
 
 
 __all__ = [
+    "MAX_HIDDEN_SIZE",
     "STORAGE_DTYPES",
+    "ExpectedStates",
     "FileRows",
     "FileWait",
     "HiddenFileReader",
     "NotReady",
+    "WrongStates",
     "all_finite",
     "read_hidden_states_fd",
     "read_hidden_states_file",

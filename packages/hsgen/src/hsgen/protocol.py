@@ -219,12 +219,13 @@ def error_body(message: str, *, type_: str = "BadRequestError", code: int = 400)
     return {"error": {"message": message, "type": type_, "param": None, "code": code}}
 
 
-def context_length_message(max_model_len: int, num_prompt_tokens: int) -> str:
-    """vLLM's 400 message for a prompt that does not fit ``max_model_len``."""
+def context_length_message(max_model_len: int, num_prompt_tokens: int, *, at_least: bool = False) -> str:
+    """vLLM's (0.32) 400 message for a prompt longer than ``max_model_len`` (before vLLM appends
+    `` (parameter=input_tokens, value=N)``); ``at_least`` when the count stopped at a limit."""
     return (
-        f"This model's maximum context length is {max_model_len} tokens. However, your prompt "
-        f"contains {num_prompt_tokens} input tokens. Please reduce the length of the input "
-        f"prompt or the number of requested tokens."
+        f"This model's maximum context length is {max_model_len} tokens. However, your prompt contains "
+        f"{'at least ' if at_least else ''}{num_prompt_tokens} input tokens, which exceeds this limit even "
+        "without any output tokens. Please reduce the length of the input prompt."
     )
 
 
@@ -235,8 +236,9 @@ EMPTY_PROMPT_MESSAGE = "The decoder prompt cannot be empty"
 
 
 def completion_request_id(x_request_id: str | None = None) -> str:
-    """The public id of a completion: ``cmpl-<X-Request-Id>`` or ``cmpl-<16 hex>``."""
-    base = check_request_id(x_request_id) if x_request_id else uuid.uuid4().hex[:16]
+    """The public id of a completion: ``cmpl-<X-Request-Id>`` (as vLLM: any text, a ``/`` included)
+    or ``cmpl-<16 hex>``."""
+    base = x_request_id if x_request_id else uuid.uuid4().hex[:16]
     return f"cmpl-{base}"
 
 

@@ -23,6 +23,24 @@ from hsgen.render import (
 )
 
 
+class RenderEndpointUnavailable(RenderError):
+    """The server refuses every render request (its render endpoint is off or missing): no record
+    can be rendered, so this ends the run whatever ``on_bad_input`` says."""
+
+
+def _refusal(url: str, status: int, data: Any) -> RenderError:
+    if status == 403:
+        return RenderEndpointUnavailable(
+            f"{url} answered 403: the server's render endpoint is disabled; start it with --enable-scale-out "
+            "(vllm serve and hsgen serve both take it), or render locally with --tokenizer"
+        )
+    if status in (404, 405) and isinstance(data, Mapping) and "detail" in data:  # no such route
+        return RenderEndpointUnavailable(
+            f"{url} answered {status}: the server has no chat render endpoint; render locally with --tokenizer"
+        )
+    return RenderError(f"{url} answered {status}: {data}")
+
+
 async def render_stream_with_server(
     paths: Sequence[str],
     renderer: ServerRenderer,
@@ -41,6 +59,8 @@ async def render_stream_with_server(
         try:
             sample = parse_input(rec, source)
             return await renderer.render(session, sample)
+        except RenderEndpointUnavailable:
+            raise
         except (InputError, RenderError) as e:
             return skipped_record(e, sample and sample.sample_id, source, on_bad_input)
 
@@ -92,7 +112,7 @@ async def render_messages_with_server(
         async with session.post(url, json=body, headers=auth_headers(api_key)) as r:
             data = await r.json(content_type=None)
             if r.status != 200:
-                raise RenderError(f"{url} answered {r.status}: {data}")
+                raise _refusal(url, r.status, data)
         ids = data.get("token_ids") if isinstance(data, Mapping) else None
         if ids is None and isinstance(data, Mapping):
             ids = data.get("prompt_token_ids")
@@ -159,6 +179,8 @@ class ServerRenderer:
                     session, self.base_url, self.model, sample.messages or (), api_key=self.api_key,
                     template_kwargs=self.template_kwargs, tools=sample.tools,
                 )  # fmt: skip
+        except RenderEndpointUnavailable:
+            raise
         except RenderError as e:
             raise RenderError(f"{sample.source}: {e}") from None
         if not ids:
@@ -181,4 +203,9 @@ class ServerRenderer:
         return [int(t) for t in tokens]
 
 
-__all__ = ["ServerRenderer", "render_messages_with_server", "render_stream_with_server"]
+__all__ = [
+    "RenderEndpointUnavailable",
+    "ServerRenderer",
+    "render_messages_with_server",
+    "render_stream_with_server",
+]

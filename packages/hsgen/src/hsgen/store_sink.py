@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import time
@@ -19,7 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from hsgen.client import FetchedSample
+from hsgen.client import ClientConfig, FetchedSample
+from hsgen.hidden_file import ExpectedStates
 from hsgen.run_report import RunReport
 
 log = logging.getLogger(__name__)
@@ -31,14 +33,38 @@ class LazyStore:
     Args:
         path: where the store will be.
         create: ``sample -> HiddenStateStore``.
+        expected: what the first sample must hold (the layers asked for, the model's hidden
+            size), checked on each file's header: a server's fake shape never becomes the header.
     """
 
-    def __init__(self, path: str | Path, create: Callable[[FetchedSample], Any]):
+    def __init__(
+        self, path: str | Path, create: Callable[[FetchedSample], Any], expected: ExpectedStates | None = None
+    ):
         self.path = Path(path)
         self._create = create
+        self.expected = expected or ExpectedStates()
 
     def __call__(self, sample: FetchedSample) -> Any:
         return self._create(sample)
+
+
+def expected_of(store: Any) -> ExpectedStates:
+    """What the server's files must hold to go into ``store`` (an open store or a :class:`LazyStore`)."""
+    header = getattr(store, "header", None)
+    if header is not None:
+        return ExpectedStates(len(header.layer_ids), header.hidden_size, header.dtype)
+    return getattr(store, "expected", None) or ExpectedStates()
+
+
+def with_expected(client: ClientConfig, store: Any) -> ClientConfig:
+    """``client`` with what ``store`` says of the files filled in where it says nothing itself."""
+    e = expected_of(store)
+    return dataclasses.replace(
+        client,
+        expect_layers=client.expect_layers or e.num_layers,
+        expect_hidden_size=client.expect_hidden_size or e.hidden_size,
+        expect_dtype=client.expect_dtype or e.dtype,
+    )
 
 
 def check_header(header: Any, sample: FetchedSample) -> None:
@@ -238,4 +264,4 @@ class StoreSink:
             self._room.notify_all()
 
 
-__all__ = ["LazyStore", "StoreSink", "check_header", "describe_os_error"]
+__all__ = ["LazyStore", "StoreSink", "check_header", "describe_os_error", "expected_of", "with_expected"]

@@ -136,6 +136,8 @@ def build_train_config(params: dict[str, Any]):
         from hsgen.cli import json_object_option
 
         online["template_kwargs"] = json_object_option(params["template_kwargs"], "--template-kwargs")
+    if params.get("max_down") is not None:
+        online["client_options"] = {**online.get("client_options", {}), "max_down_s": params["max_down"]}
     for item in params.get("online_option") or ():
         if "=" not in item:
             raise click.BadParameter(f"{item!r}: expected KEY=VALUE", param_hint="--online-option")
@@ -190,7 +192,7 @@ TRAIN_SECTIONS: dict[str, tuple[str, ...]] = {
                                    "keep_checkpoints"),
     "Online data (vLLM)": ("online", "endpoint", "prompts", "split", "max_samples", "streaming", "layer_ids",
                            "chat_template", "template_kwargs", "shared_dir", "scratch_dir", "scratch_bytes",
-                           "delete_consumed", "cache_generated", "delete_cached", "online_option"),
+                           "delete_consumed", "cache_generated", "delete_cached", "max_down", "online_option"),
     "Data loading": ("num_workers", "prefetch", "read_threads", "verify_samples", "vocab_scan_samples"),
     "Hardware": ("device", "precision", "distributed", "compile"),
     "Logging": ("log_every", "tensorboard", "report_to", "log_level", "progress"),
@@ -455,6 +457,13 @@ TRAIN_SECTIONS: dict[str, tuple[str, ...]] = {
 )
 @click.option(
     "--delete-cached", is_flag=True, default=False, help="Online: also delete consumed shards of --store."
+)
+@click.option(
+    "--max-down",
+    type=click.FloatRange(min=0.0),
+    default=None,
+    help="Online: end the run (exit 1) when no server has answered for this many seconds, as hsgen "
+    "generate's (0 = never give up) [default: 600].",
 )
 @click.option(
     "--online-option", multiple=True, help="Online: any OnlineConfig field, KEY=VALUE (JSON), repeatable."

@@ -178,10 +178,19 @@ def token_counts(source: SampleSource, vocab: int, scan_samples: int, info: Dist
 
 
 def estimate_total_steps(cfg: TrainConfig, source: SampleSource, info: DistInfo) -> int:
-    """Optimizer steps of the whole run (``max_steps``, or the packed sequences of every epoch's plan
-    over ``grad_accum``, the fewest of any rank): the LR schedule's length."""
+    """Optimizer steps of the whole run: the packed sequences of every epoch's plan over
+    ``grad_accum`` (the fewest of any rank), or ``max_steps`` when that comes first; the LR
+    schedule's length, so a ``max_steps`` beyond the data still decays to its end."""
+    data = _data_steps(cfg, source, info)
     if cfg.max_steps:
-        return cfg.max_steps
+        if cfg.max_steps > data:
+            log.warning("--max-steps %d is beyond the data (%d steps in %d epoch(s)): the run and its LR schedule "
+                        "end at step %d; raise --epochs for more", cfg.max_steps, data, cfg.epochs, data)  # fmt: skip
+        return min(cfg.max_steps, data)
+    return data
+
+
+def _data_steps(cfg: TrainConfig, source: SampleSource, info: DistInfo) -> int:
     lengths = getattr(source, "lengths", None)
     total = 0
     for e in range(cfg.epochs):

@@ -36,6 +36,8 @@ __all__ = ["STATE_KEY", "HTTPError", "ServerState", "build_state", "create_app"]
 
 log = logging.getLogger(__name__)
 
+NO_ROUTE = {404: "Not Found", 405: "Method Not Allowed"}
+
 
 def create_app(state: ServerState) -> web.Application:
     """The aiohttp application for ``state``; the engine starts with the app."""
@@ -99,12 +101,8 @@ async def _error_middleware(request: web.Request, handler):
     except HTTPError as e:
         return e.response()
     except web.HTTPException as e:
-        if e.status == 404:
-            return HTTPError(404, f"Not Found: {request.path}", "NotFoundError").response()
-        if e.status == 405:
-            return HTTPError(
-                405, f"Method Not Allowed: {request.method} {request.path}", "MethodNotAllowed"
-            ).response()
+        if e.status in NO_ROUTE:  # FastAPI's own body, as vLLM answers
+            return web.json_response({"detail": NO_ROUTE[e.status]}, status=e.status)
         raise
     except asyncio.CancelledError:
         raise

@@ -89,6 +89,11 @@ READY_PREFIX = "hsgen serve: listening on "
 )
 @click.option("--faults", default=None, help="Fault injection, e.g. 'http_500=0.1,hang=1:2,seed=3' (tests).")
 @click.option("--enable-admin", is_flag=True, help="Expose PUT /hsgen/faults and /hsgen/capacity (tests).")
+@click.option(
+    "--enable-scale-out",
+    is_flag=True,
+    help="Serve POST /v1/chat/completions/render, as vLLM's flag of that name (without it: 403, as vLLM).",
+)
 @click.option("--log-level", default="INFO", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]))
 def serve(**opts) -> None:
     """Serve hidden states over vLLM's extraction protocol, computed with transformers.

@@ -86,6 +86,8 @@ class ServeConfig:
         capacity: optional GPU-like time model (benchmarks); None = run as fast as possible.
         faults: optional fault injection plan (tests); None = no faults.
         enable_admin: expose ``/hsgen/*`` endpoints that change faults and capacity at run time.
+        enable_scale_out: serve ``POST /v1/chat/completions/render`` (vLLM's ``--enable-scale-out``;
+            without it the endpoint answers 403, as vLLM's does).
     """
 
     model: str
@@ -109,6 +111,7 @@ class ServeConfig:
     capacity: CapacityModel | None = None
     faults: FaultPlan | None = None
     enable_admin: bool = False
+    enable_scale_out: bool = False
 
     @property
     def behaviour(self) -> VersionBehaviour:

@@ -112,6 +112,7 @@ def usage(jobs: list[Job]) -> dict[str, Any]:
         "total_tokens": prompt + completion,
         "completion_tokens": completion,
         "prompt_tokens_details": None,
+        "completion_tokens_details": None,
     }
 
 

@@ -92,6 +92,7 @@ def running_server(
     served_model_name: str | None = None,
     torch_threads: int = 1,
     enable_admin: bool = True,
+    enable_scale_out: bool = False,
     startup_timeout: float = 180.0,
 ) -> Iterator[ServerURL]:
     """Run ``hsgen serve`` on a free port of 127.0.0.1 for the duration of a ``with`` block.
@@ -105,8 +106,8 @@ def running_server(
         mode: ``"thread"`` (same process, fast start; loaded models are shared between
             servers of this process) or ``"process"`` (a ``python -m hsgen.cli serve`` child).
         api_key, vllm_version, max_model_len, max_num_seqs, max_num_batched_tokens, dtype,
-        allow_custom_save_path, served_model_name, torch_threads, enable_admin: as the
-            ``hsgen serve`` options of the same names.
+        allow_custom_save_path, served_model_name, torch_threads, enable_admin, enable_scale_out:
+            as the ``hsgen serve`` options of the same names.
         startup_timeout: seconds to wait for the server to accept connections.
 
     Yields:
@@ -133,6 +134,7 @@ def running_server(
         "allow_custom_save_path": allow_custom_save_path,
         "torch_threads": torch_threads,
         "enable_admin": enable_admin,
+        "enable_scale_out": enable_scale_out,
         "capacity": capacity.to_text() if isinstance(capacity, CapacityModel) else capacity,
         "faults": faults.to_text() if isinstance(faults, FaultPlan) else faults,
     }

@@ -93,6 +93,17 @@ class Fetcher:
             opts.setdefault("api_key", self.config.api_key)
         if self.request_prefix is not None:
             opts.setdefault("request_prefix", self.request_prefix)
+        # every file is checked on its header against what the run expects, before it is read
+        from hsgen.hidden_file import ExpectedStates
+
+        header, ids = self.stores.header, self.config.layer_ids
+        if header is not None:
+            opts.setdefault("expect_layers", len(header.layer_ids))
+            opts.setdefault("expect_hidden_size", header.hidden_size)
+            opts.setdefault("expect_dtype", header.dtype)
+        else:
+            opts.setdefault("expect_layers", len(ids) if ids else None)
+            opts.setdefault("expect_hidden_size", ExpectedStates.model_hidden_size(self.config.verifier))
         if self.config.reads_once:  # read once into the batch, from the file, checked as it lands
             opts.setdefault("check_finite", False)
             opts.setdefault("rows_in_file", True)
@@ -204,6 +215,7 @@ class Fetcher:
             with self.ledger.lock:
                 ep = self.ledger.epoch
                 order = ep.ids[ep.cursor :] if ep is not None else self.first_ids()
+            from hsgen.client import FatalError
             from hsgen.render import RenderError
 
             last: Exception | None = None
@@ -211,7 +223,12 @@ class Fetcher:
                 try:
                     prompt = self.prompts.render(sid)
                     fetched = await self._client.fetch(prompt)
-                except (RenderError, Exception) as e:  # noqa: B014 - report and try the next one
+                except (
+                    FatalError
+                ) as e:  # a setting or the servers (all down, wrong shape): no sample can succeed
+                    self.ledger.set_fatal(e)
+                    return
+                except (RenderError, Exception) as e:  # noqa: B014 - this sample's: report and try the next one
                     last = e
                     self.ledger.fail(sid, f"{type(e).__name__}: {e}")
                     continue
@@ -223,7 +240,9 @@ class Fetcher:
                 await self.lander.land(sid, fetched)
                 await self.lander.flush()
                 return
-            raise RuntimeError(f"the first {len(order[:8])} samples could not be fetched; last error: {last}")
+            raise RuntimeError(
+                f"the first {len(order[:8])} samples could not be fetched; last error: {last}"
+            ) from last
 
     async def _step(self, tasks: set[asyncio.Task]) -> None:
         loop = asyncio.get_running_loop()
