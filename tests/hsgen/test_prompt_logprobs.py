@@ -53,6 +53,16 @@ def test_entries_follow_vllms_layout_and_give_the_greedy_targets():
         assert parse_target_ids(_result(prompt, e, (nxt,)), k) == [9, 8, 4, nxt]
 
 
+def test_a_prompt_token_tied_with_the_top_token_keeps_the_top_tokens_target():
+    """vLLM ranks the prompt token by the tokens strictly more likely: tied with the top token that
+    ``topk`` picked, it is listed with rank 1 beside it (seen with a bf16 verifier)."""
+    entries = [None, {"9": {"logprob": -0.5, "rank": 1, "decoded_token": "a"},
+                      "4": {"logprob": -0.5, "rank": 1, "decoded_token": "b"}}]  # fmt: skip
+    assert parse_target_ids(_result([5, 9], entries, (3,)), 1) == [4, 3]
+    with pytest.raises(ProtocolError, match="rank 1 repeated"):
+        parse_target_ids(_result([5, 9], [None, {**entries[1], "6": entries[1]["4"]}], (3,)), 1)
+
+
 @pytest.mark.parametrize(
     ("mutate", "message"),
     [
@@ -66,12 +76,20 @@ def test_entries_follow_vllms_layout_and_give_the_greedy_targets():
             r"prompt_logprobs\[1\] lacks the prompt token 9",
         ),
         (
-            lambda e: [e[0], {**e[1], "2": {"logprob": 0.0, "rank": 1, "decoded_token": ""}}, *e[2:]],
+            lambda e: [
+                e[0],
+                {
+                    **e[1],
+                    "2": {"logprob": 0.0, "rank": 1, "decoded_token": ""},
+                    "6": {"logprob": 0.0, "rank": 1, "decoded_token": ""},
+                },
+                *e[2:],
+            ],  # fmt: skip
             "rank 1 repeated",
         ),
         (
             lambda e: [e[0], {"9": {"logprob": 0.0, "rank": 3, "decoded_token": ""}}, *e[2:]],
-            r"ranks \[\], not 1..1",
+            r"ranks \[3\], not 1..1",
         ),
         (lambda e: [e[0], "x", *e[2:]], "is not an object"),
     ],

@@ -86,12 +86,17 @@ def _logprob(value: float, rank: int, token: int, decode: Any) -> dict[str, Any]
 
 
 def _top_token(entry: Any, prompt_id: int, k: int, i: int) -> int:
-    """The rank-1 token of ``prompt_logprobs[i]`` after checking the entry (see :func:`parse_target_ids`)."""
+    """The rank-1 token of ``prompt_logprobs[i]`` after checking the entry (see :func:`parse_target_ids`).
+
+    The prompt token's own rank counts the tokens strictly more likely, as vLLM's does, so a tie
+    can give it a rank the top k also hold (two rank-1 entries when it ties the top token without
+    being the one ``topk`` picked): the other keys must then hold ranks 1..k on their own, and the
+    target is theirs. When the prompt token is one of the top k, the other keys hold the rest.
+    """
     if not isinstance(entry, Mapping):
         raise ProtocolError(f"prompt_logprobs[{i}] is not an object: {entry!r:.80}")
-    top = None
-    ranks = set()
-    seen_prompt = False
+    others: dict[int, int] = {}  # rank -> token, the keys other than the prompt token
+    prompt_rank = None
     for key, info in entry.items():
         try:
             token, rank = int(key), info["rank"]
@@ -100,18 +105,18 @@ def _top_token(entry: Any, prompt_id: int, k: int, i: int) -> int:
         if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
             raise ProtocolError(f"prompt_logprobs[{i}][{key}] has rank {rank!r}")
         if token == prompt_id:
-            seen_prompt = True
-            if rank > k:
-                continue  # the prompt token outside the top k, listed with its own rank
-        if rank > k or rank in ranks:
+            prompt_rank = rank
+            continue
+        if rank > k or rank in others:
             raise ProtocolError(f"prompt_logprobs[{i}]: rank {rank} repeated or beyond the {k} asked for")
-        ranks.add(rank)
-        if rank == 1:
-            top = token
-    if not seen_prompt:
+        others[rank] = token
+    if prompt_rank is None:
         raise ProtocolError(
             f"prompt_logprobs[{i}] lacks the prompt token {prompt_id} (another prompt's answer?)"
         )
-    if len(ranks) != k or top is None:
-        raise ProtocolError(f"prompt_logprobs[{i}] holds ranks {sorted(ranks)}, not 1..{k}")
-    return top
+    want = set(range(1, k + 1))
+    if set(others) == want:  # the prompt token outside the top k (or tied with one of them)
+        return others[1]
+    if prompt_rank <= k and set(others) | {prompt_rank} == want and prompt_rank not in others:
+        return prompt_id if prompt_rank == 1 else others[1]
+    raise ProtocolError(f"prompt_logprobs[{i}] holds ranks {sorted([*others, prompt_rank])}, not 1..{k}")
