@@ -71,3 +71,14 @@ def s3_url(s3_server, monkeypatch):
     bucket = f"hsgen-{secrets.token_hex(6)}"
     boto3.client("s3", endpoint_url=s3_server).create_bucket(Bucket=bucket)
     return f"s3://{bucket}/store"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``vllm`` (the real-vLLM tier, tests/vllm/) run only when ``-m`` names them
+    (``python -m pytest -m vllm``): the README's test command stays fast."""
+    if "vllm" in (config.getoption("markexpr", "") or ""):
+        return
+    keep = [item for item in items if item.get_closest_marker("vllm") is None]
+    if len(keep) != len(items):
+        config.hook.pytest_deselected(items=[item for item in items if item.get_closest_marker("vllm")])
+        items[:] = keep

@@ -157,7 +157,10 @@ class Trainer:
 
     def _restore(self, state: dict[str, Any]) -> None:
         loop = state["loop"]
-        if loop.get("distributed") != self._mode():
+        if loop.get("distributed") != self._mode() and {loop.get("distributed"), self._mode()} != {
+            "ddp",
+            "none",
+        }:
             raise ValueError(
                 f"{self.resume_dir}: saved under {loop.get('distributed')}, resuming under {self._mode()}"
             )
@@ -184,12 +187,17 @@ class Trainer:
         if self.plans is not None and epoch == self.epoch and self.state is not None:
             saved = self.plans[self.info.rank]
             self.plans = None
-            if saved != plan:
+            if saved != plan and "resplit_from" in self.state["loop"]:
+                log.info(
+                    "epoch %d: this rank's share of what the saved run left (%d samples)", epoch, len(saved)
+                )
+            elif saved != plan:
                 log.warning(
                     "epoch %d plan changed since the checkpoint (samples added to or removed from the store); "
                     "continuing the saved plan",
                     epoch,
                 )
+            if saved != plan:
                 use = getattr(self.source, "use_plan", None)
                 if use is not None:
                     use(epoch, saved)

@@ -558,4 +558,8 @@ def export(checkpoint: str, out_dir: str, verifier: str | None, verifier_name: s
     name = verifier_name or resolved["train"].get("verifier_name") or model.verifier.info.name_or_path
     out = export_draft(model, out_dir, verifier_name=name, architectures=model.verifier.info.architectures,
                        include_embeddings=include_embeddings)  # fmt: skip
-    click.echo(json.dumps({"exported": str(out), "verifier": name}))
+    from spectrain.draft_io import read_export_config
+    from spectrain.export import speculative_config_for
+
+    spec = speculative_config_for(out, read_export_config(out))
+    click.echo(json.dumps({"exported": str(out), "verifier": name, "speculative_config": spec}))

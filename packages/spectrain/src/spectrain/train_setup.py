@@ -23,18 +23,21 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def resolve_layers(draft_cfg: DraftConfig, store_layer_ids: Sequence[int], verifier_layers: int) -> list[int]:
-    """Fill ``aux_layer_ids``/``target_layer_id``; return indices into the stored layers (aux..., target)."""
+def resolve_layers(draft_cfg: DraftConfig, store_layer_ids: Sequence[int], verifier_layers: int, *,
+                   origin: str = "the store's layers") -> list[int]:  # fmt: skip
+    """Fill ``aux_layer_ids``/``target_layer_id``; return indices into the stored layers (aux..., target).
+    ``origin`` names where the layer ids came from in errors (online: the ``--layer-ids`` flag)."""
     ids = [int(i) for i in store_layer_ids]
     beyond = [i for i in ids if i > verifier_layers]
     if beyond:
         raise ValueError(
-            f"the store's layer ids {ids} include {beyond}, beyond the verifier's {verifier_layers} layers "
-            f"(ids run from 0, the embeddings, to {verifier_layers}, the last layer): another verifier made it"
+            f"{origin} {ids} include {beyond}, beyond the verifier's {verifier_layers} layers "
+            f"(ids run from 0, the embeddings, to {verifier_layers}, the last layer)"
+            + (": another verifier made it" if origin.startswith("the store") else "")
         )
     target = draft_cfg.target_layer_id if draft_cfg.target_layer_id is not None else ids[-1]
     if target not in ids:
-        raise ValueError(f"target layer {target} is not in the store's layers {ids}")
+        raise ValueError(f"--target-layer-id {target} is not in {origin} {ids}")
     if target != verifier_layers:
         log.warning(
             "target layer %d is not the verifier's last layer %d: targets lm_head(norm(h)) assume the last",
@@ -44,9 +47,9 @@ def resolve_layers(draft_cfg: DraftConfig, store_layer_ids: Sequence[int], verif
     aux = list(draft_cfg.aux_layer_ids) if draft_cfg.aux_layer_ids else [i for i in ids if i != target]
     missing = [i for i in aux if i not in ids]
     if missing:
-        raise ValueError(f"--target-layer-ids {missing} are not in the store's layers {ids}")
+        raise ValueError(f"--target-layer-ids {missing} are not in {origin} {ids}")
     if not aux:
-        raise ValueError(f"the store's layers {ids} leave no auxiliary layer besides the target {target}")
+        raise ValueError(f"{origin} {ids} leave no auxiliary layer besides the target {target}")
     if draft_cfg.algorithm == "eagle3" and len(aux) != 3:
         raise ValueError(
             f"eagle3 needs 3 auxiliary layers; pick 3 of the store's {ids} with --target-layer-ids"
@@ -197,12 +200,13 @@ def build_model(cfg: TrainConfig, verifier: VerifierHeads, source: SampleSource,
     """
     draft_opts = dict(cfg.draft) if state is None else state["draft_config"]
     layers = verifier.info.num_hidden_layers
+    origin = "the servers' layers (--layer-ids)" if cfg.online else f"the layers of store {cfg.store}"
     if cfg.from_pretrained and state is None:
         model = pretrained_draft(cfg, cfg.from_pretrained, verifier, draft_opts)
-        layer_index = resolve_layers(model.cfg, source.header.layer_ids, layers)
+        layer_index = resolve_layers(model.cfg, source.header.layer_ids, layers, origin=origin)
     else:
         draft_cfg = get_config_class(cfg.speculator_type).from_dict(draft_opts, where="draft options")
-        layer_index = resolve_layers(draft_cfg, source.header.layer_ids, layers)
+        layer_index = resolve_layers(draft_cfg, source.header.layer_ids, layers, origin=origin)
         model = build_draft(draft_cfg, verifier)
     if state is not None:
         model.load_state_dict(state["model"])
