@@ -20,6 +20,7 @@ users import from here still are.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import signal
@@ -121,9 +122,12 @@ class Trainer:
         header = self.source.header
         check_header(cfg, header, self.verifier)
         self.hidden_dtype = TORCH_DTYPES.get(getattr(header, "dtype", "bfloat16"), torch.bfloat16)
-        self.model, self.layer_index = build_model(
-            cfg, self.verifier, self.source, self.state, self.info, self.device
-        )
+        # built where it trains: a 1B-parameter draft's initialisation takes seconds on a GPU, minutes
+        # on the host (the models make their host-side tensors on the host, whatever the default)
+        with torch.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+            self.model, self.layer_index = build_model(
+                cfg, self.verifier, self.source, self.state, self.info, self.device
+            )
         self.draft_cfg = self.model.cfg
         self.model.to(self.device)
         self.module = self.model
@@ -307,7 +311,8 @@ class Trainer:
             if window.steps:  # the last step is always logged, however short the run
                 self.checks.check()
                 self.metrics.write(self._train_record(window))
-            if last_saved != self.global_step:
+            # a signal's stop always saves (the run resumes there); the end of a run unless told not to
+            if last_saved != self.global_step and (cfg.save_final or "stopped_by" in summary):
                 self.save()
             self.checks.check()
         finally:
@@ -318,7 +323,7 @@ class Trainer:
                 "step": self.global_step,
                 "epoch": self.epoch,
                 "loss": self.checks.last_loss(),  # None (JSON null) when this run applied no step
-                "checkpoint": str(self.last_checkpoint),
+                "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
                 "nonfinite_steps_skipped": self.checks.skipped,
             }
         )
