@@ -262,7 +262,26 @@ def main() -> None:
     )
     ap.add_argument("--repeats", type=int, default=None, help="interleaved repeats (default 5, quick 3)")
     ap.add_argument("--tokens", type=int, default=None, help="tokens in the store (default 96k, quick 48k)")
+    ap.add_argument(
+        "--store-url",
+        help="also read from this object store (s3://bucket/prefix, or 'moto' "
+        "to start the tests' server here) beside the local store; see scripts/bench_object_store.py",
+    )
+    ap.add_argument("--latency-ms", type=float, default=20.0, help="added per object-store request (proxy)")
     args = ap.parse_args()
+    if args.store_url:
+        import tempfile
+
+        from bench_object_store import bench_object_store
+
+        logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+        torch.set_num_threads(1)
+        with tempfile.TemporaryDirectory(dir=args.dir or scratch_root(4e9)) as tmp:
+            result = bench_object_store(args.store_url, quick=args.quick, latency_ms=args.latency_ms,
+                                        tmp=Path(tmp), write_store=write_store,
+                                        time_loader=lambda st, plan, seq, t: _time_loader(st, plan, seq, t, True))  # fmt: skip
+        print(json.dumps(result))
+        return
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
     torch.set_num_threads(1)
     result = bench_loader(quick=args.quick, directory=args.dir, threads=args.threads, repeats=args.repeats,

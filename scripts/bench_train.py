@@ -20,6 +20,10 @@ line: JSON with ``device``, ``dflash_tokens_per_s``, ``eagle3_tokens_per_s``,
 from ``scripts/bench_loader.py`` (store -> packed sequence against a raw ``preadv`` of the same
 bytes, side by side). ``--sync-census`` adds ``*_syncs`` (what would synchronise, by source
 line) and ``*_sync_free`` (on CUDA: one step under ``set_sync_debug_mode("error")``).
+Each part (a draft with an optimizer, eager or compiled) prints the result so far as a JSON line
+when it ends (``parts_done`` lists them; ``--json-out FILE`` also replaces FILE with it), so a
+run cut by a time bound keeps what it finished; the last line of a whole run has
+``"complete": true``. ``--models dflash`` or ``eagle3`` times one draft (one process per draft).
 
 ``--plan``: no GPU needed. Builds both drafts at the reference shape with the real model classes
 under FakeTensorMode and runs two whole steps through them (``spectrain.accounting``): FLOPs
@@ -146,7 +150,7 @@ def build(name: str, opts: dict, shape: dict, device, heads_dtype):
         model = build_draft(get_config_class(name)(aux_layer_ids=AUX_LAYERS, **opts), heads)
     if name == "eagle3":
         model.prepare(torch.arange(shape["vocab"], dtype=torch.float64))
-    if next(model.parameters()).device != torch.device(device):
+    if next(model.parameters()).device.type != torch.device(device).type:
         model.to(device)  # (fake tensors cannot be swapped in place, so only when it moves)
     return model.train(), heads
 
@@ -275,6 +279,17 @@ def bench_loader(hidden: int, samples: int, tokens: int, seq: int, workers: int)
         return n / dt
 
 
+def emit(result: dict, path: Path | None) -> None:
+    """The result so far: one JSON line on stdout (flushed) and, with ``--json-out``, the file
+    replaced atomically, so a run cut by a time bound keeps every part it finished."""
+    line = json.dumps(result)
+    print(line, flush=True)
+    if path is not None:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(line + "\n")
+        tmp.replace(path)
+
+
 def run_timed(args) -> dict:
     if args.device == "auto":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -289,7 +304,8 @@ def run_timed(args) -> dict:
     result: dict = {"device": torch.cuda.get_device_name(device) if gpu else "cpu", "shape": shape,
                     "layout": args.layout, "optimizer": "adamw", "compile": args.compile}  # fmt: skip
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
-    for name in ("dflash", "eagle3"):
+    result["parts_done"] = []
+    for name in args.models:
         default = default_optimizer(name)
         optimizers = ["adamw"] if default == "adamw" or args.adamw_only else ["adamw", default]
         for compiled in modes:
@@ -311,6 +327,8 @@ def run_timed(args) -> dict:
                         result[f"{name}_sync_error"] = r["sync_error"]
                 if kind == "adamw":
                     result[f"{name}_mfu{suffix}"] = round(r["flops"] / r["step_s"] / peak, 4) if gpu else None
+                result["parts_done"].append(f"{name}_{kind}" + ("_compiled" if compiled else ""))
+                emit(result, args.json_out)
         if args.compile == "both":
             eager, comp = result[f"{name}_tokens_per_s"], result[f"{name}_tokens_per_s_compiled"]
             result[f"{name}_compile_speedup"] = round(comp / eager, 3)
@@ -327,6 +345,7 @@ def run_timed(args) -> dict:
         limit = bench_loader_limit(quick=args.quick or args.tiny)
         result["loader_gbps"] = limit["loader_gbps"]
         result["loader_ratio"] = limit["loader_ratio"]
+    result["complete"] = True
     return result
 
 
@@ -385,14 +404,29 @@ def mask_density(name: str, opts: dict, shape: dict, layout: str) -> dict:
     return measure_mask_density(lambda: model(batch, torch.Generator().manual_seed(0)))
 
 
+@contextlib.contextmanager
+def cuda_chunking():
+    """The vocabulary loss chunked as on CUDA (the plan's fake tensors are CPU tensors)."""
+    from spectrain.models import vocab_loss
+
+    rows = vocab_loss.default_chunk_rows
+    vocab_loss.default_chunk_rows = lambda vocab, budget_bytes=None, device_type="cpu": rows(
+        vocab, budget_bytes, "cuda"
+    )
+    try:
+        yield
+    finally:
+        vocab_loss.default_chunk_rows = rows
+
+
 def plan_one(name: str, opts: dict, shape: dict, layout: str, variant: dict, density: dict) -> dict:
-    """Plan one configuration of one draft (two steps under fake tensors)."""
+    """Plan one configuration of one draft (two steps under fake tensors, the loss chunked as on CUDA)."""
     from spectrain.accounting import account_steps, fake_tensors
 
     cfg = dict(opts, attention_backend="flex")
     if variant["freeze_lm_head"] is not None:
         cfg["freeze_lm_head"] = variant["freeze_lm_head"]
-    with patched_loss(variant["loss"]), fake_tensors():
+    with patched_loss(variant["loss"]), cuda_chunking(), fake_tensors():
         model, heads = build(name, cfg, shape, torch.device("cpu"), torch.bfloat16)
         opt = make_optimizer(model, "adamw")
         batch = synthetic_batch(shape, 3, "cpu", layout, 1)
@@ -469,12 +503,26 @@ def main() -> None:
         "--loader-workers", type=int, default=0, help="0 = prefetch thread (the default of train)"
     )
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument("--models", type=lambda s: s.split(","), default=["dflash", "eagle3"],
+                    help="timed drafts, comma-separated (dflash,eagle3); one process per draft keeps a crash or "
+                         "a time bound in one from costing the other")  # fmt: skip
+    ap.add_argument(
+        "--json-out",
+        type=Path,
+        default=None,
+        help="timed: also write the result so far to this file after each part (atomically)",
+    )
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
-    result = run_plan(args) if args.plan else run_timed(args)
-    print(json.dumps(result))
+    if args.plan:
+        print(json.dumps(run_plan(args)))
+        return
+    unknown = sorted(set(args.models) - {"dflash", "eagle3"})
+    if unknown:
+        ap.error(f"--models: unknown draft {unknown[0]!r} (dflash, eagle3)")
+    emit(run_timed(args), args.json_out)
 
 
 if __name__ == "__main__":

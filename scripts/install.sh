@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install -q "torch==2.13.0" || python -m pip install -q torch
-python -m pip install -q -e "packages/hsgen[serve,render,parquet,datasets,dev]" -e "packages/spectrain[tensorboard]"
+python -m pip install -q -e "packages/hsgen[serve,render,parquet,datasets,s3,dev]" -e "packages/spectrain[tensorboard]"
 # The reference implementation the differential tests compare against (tests/spectrain/test_differential_*.py):
 # speculators' model and loss code, without its dependency pins (it asks for transformers<=5.19; its model code
 # runs on ours), plus exactly what that code imports.

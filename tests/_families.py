@@ -1,7 +1,7 @@
 """The family matrix: one tiny random model per verifier family, built from transformers' own
 config classes, saved like a hub checkpoint (config, safetensors, the tiny tokenizer).
 
-Shapes are small (hidden 64, 2 decoder layers, the tiny tokenizer's vocabulary) so a model
+Shapes are small (hidden 64, 4 decoder layers, the tiny tokenizer's vocabulary) so a model
 builds in well under a second once its modeling module is imported. Each is made hard to
 fake: final-norm weights are random around the family's identity, and the output head is
 scaled so logits are tens, like a real model's. Built once per test session
@@ -18,13 +18,13 @@ from pathlib import Path
 from typing import Any
 
 HIDDEN = 64
-LAYERS = 2
+LAYERS = 4
 _TEXT = dict(hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, max_position_embeddings=4096)  # fmt: skip
-_LINEAR = dict(layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4,
+_LINEAR = dict(layer_types=["linear_attention", "full_attention"] * 2, linear_num_value_heads=4,
                linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16)  # fmt: skip
 _MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
-_GEMMA4 = dict(hidden_size_per_layer_input=8, layer_types=["sliding_attention", "full_attention"],
+_GEMMA4 = dict(hidden_size_per_layer_input=8, layer_types=["sliding_attention", "full_attention"] * 2,
                global_head_dim=16, sliding_window=8)  # fmt: skip
 _SIGLIP = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
 _QWEN_VISION = dict(hidden_size=32, intermediate_size=64, depth=1, num_heads=2, out_hidden_size=HIDDEN)

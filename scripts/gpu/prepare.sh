@@ -4,6 +4,10 @@
 #   .gpu-carry/peer-bench/       a copy of the shared peer-bench folder, its wheels in whl/ (fetch_wheels.sh)
 #   .gpu-carry/whl/              cp312 manylinux wheels of what our packages need beyond the GPU image
 #                                (Python 3.12, torch 2.11, transformers 5.17: it lacks zarr and its deps)
+#   .gpu-carry/hsgen-cache/      the built-in tiny model (`hsgen serve --model tiny`; minutes to build on a
+#                                fresh machine, under a megabyte), run_all.sh's $HSGEN_CACHE
+# The synthetic reference store of the `train` part (5.2 GB) cannot be carried: run_all.sh writes it there.
+# Needs this checkout's packages installed (bash scripts/install.sh) for the tiny model.
 #   bash scripts/gpu/prepare.sh [PEER_BENCH_DIR]     (default: the shared/peer-bench beside the checkout)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -27,5 +31,8 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   -d "$CARRY/whl" zarr==3.1.6 numcodecs==0.16.6 donfig==0.8.1.post1 google-crc32c==1.9.0 \
   tenacity==9.2.1
-du -sh "$CARRY" "$CARRY"/peer-bench/whl "$CARRY"/whl
+# built in (or taken from) this machine's own cache, then copied: a second prepare costs nothing
+TINY_MODEL=$("${PYTHON:-python3}" -c 'from hsgen.tiny import ensure_tiny_model; print(ensure_tiny_model())')
+mkdir -p "$CARRY/hsgen-cache" && cp -r "$TINY_MODEL" "$CARRY/hsgen-cache/"
+du -sh "$CARRY" "$CARRY"/peer-bench/whl "$CARRY"/whl "$CARRY"/hsgen-cache
 ls "$CARRY/whl" "$CARRY/peer-bench/whl"

@@ -1,28 +1,35 @@
 #!/usr/bin/env bash
-# The side-by-side GPU run of issue 12, one script, about 8 minutes on an H200 (each part has a
-# time bound; all of them end by 9.5 minutes, under the device tool's 10). Needs no internet: run
-# scripts/gpu/prepare.sh first on a machine with PyPI and carry .gpu-carry/ along (see
-# docs/benchmarks.md for the device call).
+# The side-by-side GPU run (issues 12 and 20): one script under one deadline. Needs no internet: run
+# scripts/gpu/prepare.sh first on a machine with PyPI and carry .gpu-carry/ along (docs/benchmarks.md
+# has the device call).
 #
-#   1. our bench_train.py at the reference shape: tokens/s and peak memory (AdamW; and the default
-#      optimizer of spectrain train when it is not AdamW), a host-device sync census and one step
-#      under torch.cuda.set_sync_debug_mode("error"); then the same with the training forward
-#      compiled (AdamW), so compile on and off are timed side by side (summary: *_compile_speedup)
-#   2. the peer's step (speculators 0.9.0, .gpu-carry/peer-bench/run.sh): same shape, same GPU
-#   3. a short real `spectrain train` on a synthetic store at the reference shape (store -> loader
-#      -> step, so the loader's cost shows in tokens/s and data_wait_fraction)
-#   4. an `hsgen serve --device cuda` smoke: the tiny model served on the GPU, `hsgen generate`
-#      of 8 chats into a store, `hsgen verify`
-#   5. with the time left (not at the tiny shape): bench_loader.py and bench_online.py's realistic
-#      mode, 4 reader threads, on the GPU host's cores (issue 14's per-process ceiling)
+# The whole run ends by DEADLINE seconds after it starts (default 540: the device tool gives a
+# command 600 s), kill grace included: every part's bound is its own default or what is left,
+# whichever is less (kill grace and 10 s for the records kept back), and a part with under 15 s
+# left is skipped. As each part ends its record
+# (name, exit status, seconds, bound, and the JSON it printed) is appended to $OUT/parts.jsonl and
+# $OUT/summary.json is rewritten, so a run killed at any moment has already left what finished.
+# Nothing depends on the run's end: no tee (a group SIGTERM kills it first), logs go to files.
 #
-# Everything lands in $OUT (default ./gpu-results): summary.json (one JSON object: our figures,
-# the peer's, the ratios), run_all.log, and logs.tar.gz (every part's logs and JSON).
+#   eager     our bench_train.py at the reference shape, one process per draft: tokens/s, peak
+#             memory (AdamW, and spectrain train's default optimizer when it differs), a host-device
+#             sync census and one step under torch.cuda.set_sync_debug_mode("error")
+#   peer      the peer's step (speculators 0.9.0, .gpu-carry/peer-bench/run.sh), AdamW, same shape
+#   train     a short real `spectrain train` on a synthetic reference-shape store (store -> loader ->
+#             step: tokens/s and data_wait_fraction); the store (5 GB: too big to carry) is written
+#             on the host's cores in the background from the start, while the GPU parts run
+#   serve     `hsgen serve --device cuda` of the carried tiny model, `hsgen generate` of 8 chats, verify
+#   compiled  bench_train.py with the training forward compiled (AdamW, 5 steps), one process per draft
+#   data      with the time left (not at the tiny shape): bench_loader.py and bench_online.py's
+#             realistic mode, 4 reader threads, on the GPU host's cores (issue 14's ceiling)
+#
+# $OUT (default ./gpu-results) gets summary.json (our figures, the peer's, the ratios, and `parts`:
+# how each part ended), parts.jsonl, run_all.log and logs.tar.gz (every part's logs and JSON).
 # TINY=1 DEVICE=cpu runs the same parts at a tiny shape on CPU (tests; the peer is skipped when
-# .gpu-carry/peer-bench is absent). PARTS picks parts for a rerun of the ones that failed (default
-# "eager compiled peer train serve data"; e.g. PARTS="peer data"): a rerun must fit in the
-# session's device time, which a whole run (~8 minutes) does not.
+# .gpu-carry/peer-bench is absent). PARTS picks parts (default "eager peer train serve compiled
+# data"), e.g. PARTS="compiled data" for a rerun of what a first run did not reach.
 set -u
+trap '' PIPE  # a closed stderr must not kill the run: everything also goes to files
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
 OUT=${OUT:-$ROOT/gpu-results}
@@ -31,24 +38,73 @@ PY=${PYTHON:-python3}
 DEVICE=${DEVICE:-cuda}
 TINY=${TINY:-0}
 CARRY=${CARRY:-$ROOT/.gpu-carry}
-PARTS=" ${PARTS:-eager compiled peer train serve data} "
+DEADLINE=${DEADLINE:-540}
+RESERVE=10  # seconds kept back from every bound for the records and the last publish
+PARTS=" ${PARTS:-eager peer train serve compiled data} "
 want() { [[ "$PARTS" == *" $1 "* ]]; }
 mkdir -p "$OUT" "$WORK/logs"
-exec > >(tee "$OUT/run_all.log") 2>&1
+LOG=$OUT/run_all.log
+: > "$LOG"
 T0=$(date +%s)
-log() { echo "[run_all +$(( $(date +%s) - T0 ))s] $*"; }
-
-package() {
-  log "summarising"
-  "$PY" scripts/gpu/summarize.py "$WORK" > "$OUT/summary.json" 2> "$WORK/logs/summarize.log" \
-    || log "summarize failed (see logs/summarize.log)"
-  cat "$OUT/summary.json" 2>/dev/null
-  tar -czf "$OUT/logs.tar.gz" -C "$WORK" logs 2>/dev/null
-  log "done; results in $OUT"
+log() {
+  local line="[run_all +$(( $(date +%s) - T0 ))s] $*"
+  echo "$line" >> "$LOG"
+  echo "$line" >&2 2>/dev/null || true
 }
-trap package EXIT
+left() { echo $(( DEADLINE - ($(date +%s) - T0) )); }
 
-# 0. our dependencies the image lacks (zarr, numcodecs, donfig, google-crc32c, tenacity), then our sources
+# summary.json, parts.jsonl and logs.tar.gz under $OUT, each replaced whole (bounded: never the
+# reason a run overruns)
+publish() {
+  timeout -k 2 20 "$PY" scripts/gpu/summarize.py "$WORK" --out "$OUT" 2>> "$WORK/logs/summarize.log" \
+    || log "summarize failed (see logs/summarize.log)"
+  pack
+}
+pack() {
+  cp "$LOG" "$WORK/logs/run_all.log" 2>/dev/null
+  tar -czf "$OUT/.logs.tar.gz" -C "$WORK" logs 2>/dev/null && mv -f "$OUT/.logs.tar.gz" "$OUT/logs.tar.gz"
+}
+# record NAME RC SECONDS BOUND [JSON FILE...]: one line in parts.jsonl, then publish (one interpreter)
+record() {
+  local name=$1 rc=$2 secs=$3 bound=$4; shift 4
+  timeout -k 2 20 "$PY" scripts/gpu/summarize.py "$WORK" --record "$name" --rc "$rc" --seconds "$secs" \
+    --bound "$bound" --out "$OUT" "$@" 2>> "$WORK/logs/summarize.log" || log "recording $name failed"
+  pack
+}
+# part NAME DEFAULT_BOUND KILL_GRACE OUT_JSON CMD...: CMD under `timeout` with the lesser of its
+# bound and the time left, stdout to OUT_JSON, stderr to logs/NAME.log; skipped under 15 s left
+part() {
+  local name=$1 default=$2 grace=$3 json=$4; shift 4
+  local b=$(( $(left) - grace - RESERVE ))
+  (( b > default )) && b=$default
+  if (( b < 15 )); then
+    log "$name skipped: $(left)s left"
+    record "$name" skipped 0 0
+    return 0
+  fi
+  log "$name (bound ${b}s)"
+  CUR_NAME=$name CUR_JSON=$json CUR_T=$(date +%s) CUR_BOUND=$b
+  # in the background and waited for, so a signal's trap runs at once (`timeout` starts its own
+  # process group: the trap passes the signal on)
+  timeout -k "$grace" "$b" "$@" > "$json" 2> "$WORK/logs/$name.log" &
+  CUR_PID=$!
+  wait "$CUR_PID"
+  local rc=$?
+  CUR_PID=
+  log "$name rc=$rc in $(( $(date +%s) - CUR_T ))s: $(tail -c 300 "$json" 2>/dev/null)"
+  record "$name" "$rc" $(( $(date +%s) - CUR_T )) "$b" "$json"
+}
+CUR_PID= REF_PID=
+on_signal() {
+  log "stopped by a signal${CUR_PID:+ during $CUR_NAME}"
+  for p in $CUR_PID $REF_PID; do kill -TERM "$p" 2>/dev/null; done
+  [ -n "$CUR_PID" ] && record "$CUR_NAME" interrupted $(( $(date +%s) - CUR_T )) "$CUR_BOUND" "$CUR_JSON"
+  publish
+  exit 143
+}
+trap on_signal TERM INT
+
+# our dependencies the image lacks (zarr, numcodecs, donfig, google-crc32c, tenacity), then our sources
 SITE=$WORK/site
 if ls "$CARRY"/whl/*.whl >/dev/null 2>&1; then
   log "installing $(ls "$CARRY"/whl/*.whl | wc -l) carried wheels into $SITE"
@@ -57,99 +113,108 @@ if ls "$CARRY"/whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH="$ROOT/packages/hsgen/src:$ROOT/packages/spectrain/src:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
-{
-  date -u; "$PY" -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__,
-"cuda", torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no gpu")'
-  nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,power.limit --format=csv 2>&1 | head -3
-  "$PY" -c 'import zarr, hsgen, spectrain; print("zarr", zarr.__version__, hsgen.__file__, spectrain.__file__)'
-} > "$WORK/logs/env.txt" 2>&1
-cat "$WORK/logs/env.txt"
-# every module the parts import: a missing wheel ends the run here, in seconds, leaving device time
-# for a rerun, instead of failing every part
-if ! "$PY" -c 'import hsgen.cli, hsgen.client, hsgen.serve, spectrain.cli, spectrain.train' > "$WORK/logs/imports.txt" 2>&1; then
-  log "imports failed, stopping: $(tail -n 1 "$WORK/logs/imports.txt")"
+# the tiny model prepare.sh built (a fresh machine would spend minutes training it)
+[ -d "$CARRY/hsgen-cache" ] && export HSGEN_CACHE=$CARRY/hsgen-cache
+# versions, then every module the parts import, in one interpreter: a missing wheel ends the run
+# here, in seconds, leaving device time for a rerun, instead of failing every part
+date -u > "$WORK/logs/env.txt"
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,power.limit \
+  --format=csv >> "$WORK/logs/env.txt" 2>&1
+if ! "$PY" - >> "$WORK/logs/env.txt" 2>&1 <<'PY'
+import sys
+print("python", sys.version.split()[0])
+import torch
+gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no gpu"
+print("torch", torch.__version__, "cuda", torch.version.cuda, gpu)
+import zarr, hsgen, spectrain
+print("zarr", zarr.__version__, hsgen.__file__, spectrain.__file__)
+import hsgen.cli, hsgen.client, hsgen.serve, spectrain.cli, spectrain.train
+PY
+then
+  cat "$WORK/logs/env.txt" >> "$LOG"
+  log "imports failed, stopping: $(tail -n 1 "$WORK/logs/env.txt")"
+  publish
   exit 3
 fi
+cat "$WORK/logs/env.txt" >> "$LOG"
 log "imports ok"
 
-TINY_FLAG=(); PEER_DEFAULT="--loss-impl eager --optimizers adamw"
-if [ "$TINY" = 1 ]; then TINY_FLAG=(--tiny); PEER_DEFAULT="--tiny --loss-impl eager --optimizers adamw"; fi
+TINY_FLAG=(); PEER_DEFAULT="--loss-impl eager --optimizers adamw"; COMPILE_BACKEND=inductor
+if [ "$TINY" = 1 ]; then
+  TINY_FLAG=(--tiny); PEER_DEFAULT="--tiny --loss-impl eager --optimizers adamw"
+  COMPILE_BACKEND=${COMPILE_BACKEND_TINY:-aot_eager}
+  REF_ARGS=(--tiny --samples 12 --tokens 256)
+  TRAIN_ARGS=(--block-size 4 --max-anchors 16 --num-layers 1 --total-seq-len 512 --max-steps 4)
+else
+  REF_ARGS=(--samples 40 --tokens 2048); TRAIN_ARGS=(--max-steps 10)
+fi
 
-# 1. ours, eager then compiled (bounds 90 + 140 s)
-COMPILE_BACKEND=inductor
-if [ "$TINY" = 1 ]; then COMPILE_BACKEND=${COMPILE_BACKEND_TINY:-aot_eager}; fi
+# the reference store for `train`, on the host's cores while the GPU parts run
+if want train; then
+  REF_BOUND=$(( DEADLINE - 30 )); (( REF_BOUND > ${REFERENCE_TIMEOUT:-150} )) && REF_BOUND=${REFERENCE_TIMEOUT:-150}
+  log "writing the synthetic reference store in the background (bound ${REF_BOUND}s)"
+  REF_T0=$(date +%s)
+  timeout -k 5 "$REF_BOUND" "$PY" scripts/gpu/synthetic_reference.py "$WORK/ref" "${REF_ARGS[@]}" \
+    > "$WORK/logs/reference.json" 2> "$WORK/logs/reference.log" &
+  REF_PID=$!
+fi
+
 if want eager; then
-  log "1/5 bench_train.py at the reference shape (eager)"
-  timeout -k 10 "${OURS_TIMEOUT:-90}" "$PY" scripts/bench_train.py --device "$DEVICE" --no-loader --sync-census \
-    --compile off "${TINY_FLAG[@]}" > "$WORK/logs/ours.json" 2> "$WORK/logs/ours.log"
-  log "bench_train rc=$?: $(tail -c 400 "$WORK/logs/ours.json")"
-fi
-if want compiled; then
-  log "1/5 bench_train.py at the reference shape (torch.compile, $COMPILE_BACKEND)"
-  timeout -k 10 "${OURS_COMPILED_TIMEOUT:-140}" "$PY" scripts/bench_train.py --device "$DEVICE" --no-loader \
-    --sync-census --compile on --compile-backend "$COMPILE_BACKEND" --adamw-only --steps 5 "${TINY_FLAG[@]}" \
-    > "$WORK/logs/ours-compiled.json" 2> "$WORK/logs/ours-compiled.log"
-  log "bench_train --compile on rc=$?: $(tail -c 400 "$WORK/logs/ours-compiled.json")"
+  for m in dflash eagle3; do
+    part "eager-$m" "${OURS_TIMEOUT:-100}" 10 "$WORK/logs/ours-$m.json" "$PY" scripts/bench_train.py --models "$m" \
+      --device "$DEVICE" --no-loader --sync-census --compile off "${TINY_FLAG[@]}" --json-out "$WORK/logs/ours-$m.json"
+  done
 fi
 
-# 2. the peer, AdamW (its headline; its Muon figures are in shared/peer-bench/README.md) (bounds 110 + 80 s,
-#    install ~20 s)
 if ! want peer; then
   :
 elif [ -f "$CARRY/peer-bench/run.sh" ]; then
-  log "2/5 the peer's step (speculators)"
+  # its own two bounds (DFlash, then Eagle3) shrink to fit what is left (install ~20 s)
+  b=$(( $(left) - 20 )); (( b > 210 )) && b=210
+  PD=$(( b * 11 / 20 )); PE=$(( b - PD - 25 ))
   RESULTS="$WORK/logs/peer" PEER_SITE="$WORK/peer-site" PYTHON="$PY" BENCH_ARGS="${PEER_ARGS:-$PEER_DEFAULT}" \
-    DFLASH_TIMEOUT="${PEER_DFLASH_TIMEOUT:-110}" EAGLE3_TIMEOUT="${PEER_EAGLE3_TIMEOUT:-80}" \
-    timeout -k 10 210 bash "$CARRY/peer-bench/run.sh" > "$WORK/logs/peer-run.log" 2>&1
-  log "peer rc=$?: $(tail -n 3 "$WORK/logs/peer-run.log")"
+    DFLASH_TIMEOUT="${PEER_DFLASH_TIMEOUT:-$PD}" EAGLE3_TIMEOUT="${PEER_EAGLE3_TIMEOUT:-$PE}" \
+    part peer "$b" 10 "$WORK/logs/peer-run.log" bash "$CARRY/peer-bench/run.sh"
 else
-  log "2/5 skipped: $CARRY/peer-bench missing (run scripts/gpu/prepare.sh)"
+  log "peer skipped: $CARRY/peer-bench missing (run scripts/gpu/prepare.sh)"
+  record peer skipped 0 0
 fi
 
-# 3. spectrain train on a synthetic store at the reference shape (bounds 30 + 65 s)
 if want train; then
-  log "3/5 spectrain train on a synthetic store"
-  if [ "$TINY" = 1 ]; then
-    REF_ARGS=(--tiny --samples 12 --tokens 256); TRAIN_ARGS=(--block-size 4 --max-anchors 16 --num-layers 1
-      --total-seq-len 512 --max-steps 4)
-  else
-    REF_ARGS=(--samples 40 --tokens 2048); TRAIN_ARGS=(--max-steps 10)
-  fi
-  timeout -k 5 30 "$PY" scripts/gpu/synthetic_reference.py "$WORK/ref" "${REF_ARGS[@]}" \
-    > "$WORK/logs/reference.json" 2> "$WORK/logs/reference.log"
-  log "synthetic store rc=$?: $(cat "$WORK/logs/reference.json")"
-  timeout -k 10 65 "$PY" -m spectrain.cli train --store "$WORK/ref/store" --verifier "$WORK/ref/verifier" \
-    --speculator-type dflash "${TRAIN_ARGS[@]}" --log-every 1 --save-every 0 --val-fraction 0 --device "$DEVICE" \
-    --save-path "$WORK/train" > "$WORK/logs/train.json" 2> "$WORK/logs/train.log"
-  log "train rc=$?"
-  cp "$WORK/train/metrics.jsonl" "$WORK/logs/train-metrics.jsonl" 2>/dev/null
+  wait "$REF_PID"  # bounded by its own timeout
+  rc=$?
+  REF_PID=
+  log "synthetic store rc=$rc ($(( $(date +%s) - REF_T0 ))s since it started): $(cat "$WORK/logs/reference.json")"
+  record reference "$rc" $(( $(date +%s) - REF_T0 )) "$REF_BOUND" "$WORK/logs/reference.json"
+  part train "${TRAIN_TIMEOUT:-75}" 10 "$WORK/logs/train.json" "$PY" -m spectrain.cli train --store "$WORK/ref/store" \
+    --verifier "$WORK/ref/verifier" --speculator-type dflash "${TRAIN_ARGS[@]}" --log-every 1 --save-every 0 \
+    --no-save-final --val-fraction 0 --device "$DEVICE" --save-path "$WORK/train"
+  cp "$WORK/train/metrics.jsonl" "$WORK/logs/train-metrics.jsonl" 2>/dev/null && publish
 fi
 
-# 4. hsgen serve on the device (bound 35 s)
 if want serve; then
-  log "4/5 hsgen serve --device $DEVICE smoke"
-  timeout -k 5 35 bash scripts/gpu/serve_smoke.sh "$WORK/serve" "$DEVICE" > "$WORK/logs/serve.json" \
-    2> "$WORK/logs/serve.log"
-  log "serve smoke rc=$?: $(tail -c 300 "$WORK/logs/serve.json")"
+  part serve "${SERVE_TIMEOUT:-60}" 5 "$WORK/logs/serve.json" bash scripts/gpu/serve_smoke.sh "$WORK/serve" "$DEVICE"
 fi
 
-# 5. the data path on the GPU host (issue 14: the online ceiling per training process must exceed
-#    1.8 GB/s there), at most 2 minutes of the time the bounds above left unused; not at the tiny shape
-left=$(( 560 - ($(date +%s) - T0) ))
+if want compiled; then
+  for m in dflash eagle3; do
+    part "compiled-$m" "${OURS_COMPILED_TIMEOUT:-110}" 10 "$WORK/logs/ours-compiled-$m.json" "$PY" scripts/bench_train.py \
+      --models "$m" --device "$DEVICE" --no-loader --sync-census --compile on --compile-backend "$COMPILE_BACKEND" \
+      --adamw-only --steps 5 "${TINY_FLAG[@]}" --json-out "$WORK/logs/ours-compiled-$m.json"
+  done
+fi
+
+# the data path on the GPU host (issue 14: the online ceiling per training process must exceed
+# 1.8 GB/s there), in at most 2 minutes of what is left; not at the tiny shape
 if ! want data; then
   :
 elif [ "$TINY" = 1 ]; then
-  log "5/5 data path skipped at the tiny shape"
-elif [ "$left" -lt 60 ]; then
-  log "5/5 data path skipped: ${left}s left"
+  log "data skipped at the tiny shape"
+  record loader skipped 0 0
 else
-  log "5/5 bench_loader.py and bench_online.py --mode realistic, --threads 4 (${left}s left)"
-  timeout -k 5 $(( left / 4 < 40 ? left / 4 : 40 )) "$PY" scripts/bench_loader.py --quick --threads 4 \
-    > "$WORK/logs/loader.json" 2> "$WORK/logs/loader.log"
-  log "bench_loader rc=$?: $(tail -c 300 "$WORK/logs/loader.json")"
-  left=$(( 560 - ($(date +%s) - T0) ))
-  left=$(( left > 85 ? 80 : left - 5 ))
-  timeout -k 5 $(( left > 5 ? left : 5 )) "$PY" scripts/bench_online.py --quick --mode realistic --threads 4 \
-    > "$WORK/logs/online.json" 2> "$WORK/logs/online.log"
-  log "bench_online rc=$?: $(tail -c 300 "$WORK/logs/online.json")"
+  b=$(( $(left) / 3 )); (( b > 40 )) && b=40
+  part loader "$b" 5 "$WORK/logs/loader.json" "$PY" scripts/bench_loader.py --quick --threads 4
+  part online 80 5 "$WORK/logs/online.json" "$PY" scripts/bench_online.py --quick --mode realistic --threads 4
 fi
+log "done in $(( $(date +%s) - T0 ))s; results in $OUT"
+publish

@@ -16,7 +16,7 @@ head -n 8 "$CHATS" > "$WORK/chats.jsonl"
   --port "$PORT" > "$WORK/serve.log" 2>&1 &
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null || true; wait $SERVER 2>/dev/null || true' EXIT
-"$PY" "$(dirname "$0")/../wait_healthy.py" "$PORT" "$SERVER" 30
+"$PY" "$(dirname "$0")/../wait_healthy.py" "$PORT" "$SERVER" "${SMOKE_HEALTH_TIMEOUT:-45}"
 T0=$(date +%s.%N)
 "$PY" -m hsgen.cli generate "$WORK/chats.jsonl" --endpoint "http://127.0.0.1:$PORT" --shared-dir "$WORK/shared" \
   --store "$WORK/store" --layer-ids "$LAYERS" --tokenizer "$MODEL" --max-len 1024 > "$WORK/generate.json"

@@ -1,37 +1,69 @@
 #!/usr/bin/env python
 """One JSON object from a run_all.sh work directory: our figures, the peer's, and the ratios.
 
-    python scripts/gpu/summarize.py WORKDIR > summary.json
+    python scripts/gpu/summarize.py WORKDIR [--out DIR] > summary.json
+    python scripts/gpu/summarize.py WORKDIR --record NAME --rc RC --seconds S --bound B [FILE]
 
-Reads ``WORKDIR/logs``: ``ours.json`` and ``ours-compiled.json`` (bench_train.py's last line,
-eager and ``--compile on``), ``peer/results.jsonl`` (the peer's bench, one object per model),
+Reads ``WORKDIR/logs``: ``ours-dflash.json``, ``ours-eagle3.json`` (or one ``ours.json``) and
+``ours-compiled-*.json`` (bench_train.py's last complete JSON line, eager and ``--compile on``;
+a part cut by its bound leaves the line of what it finished), ``peer/results.jsonl`` (the peer's bench, one object per model),
 ``train-metrics.jsonl`` (spectrain train's per-step records; the first two steps are warm-up and
-not counted), ``serve.json``, ``loader.json`` and ``online.json`` (the data path benchmarks). Missing
-parts are null; the ratios are ours / the peer's from the same run, and compiled / eager for
-``*_compile_speedup``.
+not counted), ``serve.json``, ``loader.json`` and ``online.json`` (the data path benchmarks), and
+``parts.jsonl`` (how each part of run_all.sh ended: ``parts``). Missing parts are null; the ratios
+are ours / the peer's from the same run, and compiled / eager for ``*_compile_speedup``.
+
+``--record`` appends one part's line to ``parts.jsonl`` (its exit status or ``skipped`` /
+``interrupted``, seconds, bound, and FILE's last JSON line); ``--out DIR`` writes ``summary.json``
+and a copy of ``parts.jsonl`` into DIR, each replaced atomically, instead of printing (after the
+record, with both).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import statistics
-import sys
 from pathlib import Path
 
 
-def _last_json(path: Path) -> dict | None:
+def _objects(path: Path) -> list[dict]:
+    """The JSON objects among ``path``'s lines (a line cut by a kill is not one)."""
     try:
-        lines = [x for x in path.read_text().splitlines() if x.strip().startswith("{")]
-        return json.loads(lines[-1]) if lines else None
-    except (OSError, json.JSONDecodeError):
-        return None
-
-
-def _jsonl(path: Path) -> list[dict]:
-    try:
-        return [json.loads(x) for x in path.read_text().splitlines() if x.strip().startswith("{")]
-    except (OSError, json.JSONDecodeError):
+        text = path.read_text(errors="replace")
+    except OSError:
         return []
+    out = []
+    for line in text.splitlines():
+        if line.strip().startswith("{"):
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(obj, dict):
+                out.append(obj)
+    return out
+
+
+def _last_json(path: Path) -> dict | None:
+    objs = _objects(path)
+    return objs[-1] if objs else None
+
+
+_jsonl = _objects
+
+
+def _merged(paths: list[Path]) -> dict:
+    """One bench_train.py result from several processes' (one per draft); ``parts_done`` joined."""
+    out: dict = {}
+    done: list[str] = []
+    for p in paths:
+        r = _last_json(p) or {}
+        done += r.get("parts_done", [])
+        out.update(r)
+    if done:
+        out["parts_done"] = done
+    return out
 
 
 def _ratio(a, b) -> float | None:
@@ -40,8 +72,10 @@ def _ratio(a, b) -> float | None:
 
 def summarize(work: Path) -> dict:
     logs = work / "logs"
-    ours = _last_json(logs / "ours.json") or {}
-    compiled = _last_json(logs / "ours-compiled.json") or {}
+    ours = _merged([logs / "ours.json", *(logs / f"ours-{m}.json" for m in ("dflash", "eagle3"))])
+    compiled = _merged(
+        [logs / "ours-compiled.json", *(logs / f"ours-compiled-{m}.json" for m in ("dflash", "eagle3"))]
+    )
     peer = {r.get("model"): r for r in _jsonl(logs / "peer" / "results.jsonl")}
     out: dict = {"device": ours.get("device") or compiled.get("device"), "ours": ours or None,
                  "ours_compiled": compiled or None, "peer": {}}  # fmt: skip
@@ -80,13 +114,50 @@ def summarize(work: Path) -> dict:
             k: online.get(k) for k in ("online_gbps", "online_ratio", "online_raw_gbps", "real_wait_fraction")
         },
     }
+    out["parts"] = {
+        r["part"]: {k: r.get(k) for k in ("rc", "seconds", "bound")} for r in _jsonl(logs / "parts.jsonl")
+    }
     return out
 
 
+def _replace(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _status(rc: str) -> int | str:
+    return int(rc) if rc.lstrip("-").isdigit() else rc
+
+
 def main() -> None:
-    if len(sys.argv) != 2:
-        sys.exit("usage: summarize.py WORKDIR")
-    print(json.dumps(summarize(Path(sys.argv[1]))))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("work", type=Path)
+    ap.add_argument("--out", type=Path, help="write summary.json and parts.jsonl here (atomically)")
+    ap.add_argument("--record", metavar="NAME", help="append part NAME's line to logs/parts.jsonl")
+    ap.add_argument("--rc", default="")
+    ap.add_argument("--seconds", type=int, default=0)
+    ap.add_argument("--bound", type=int, default=0)
+    ap.add_argument("files", nargs="*", type=Path, help="--record: the part's JSON output")
+    args = ap.parse_intermixed_args()
+    logs = args.work / "logs"
+    if args.record:
+        rec = {"part": args.record, "rc": _status(args.rc), "seconds": args.seconds, "bound": args.bound,
+               "result": _merged(args.files) or None}  # fmt: skip
+        logs.mkdir(parents=True, exist_ok=True)
+        with open(logs / "parts.jsonl", "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        if args.out is None:
+            return
+    text = json.dumps(summarize(args.work))
+    if args.out is None:
+        print(text)
+        return
+    args.out.mkdir(parents=True, exist_ok=True)
+    _replace(args.out / "summary.json", text + "\n")
+    parts = logs / "parts.jsonl"
+    if parts.exists():
+        _replace(args.out / "parts.jsonl", parts.read_text())
 
 
 if __name__ == "__main__":

@@ -97,3 +97,30 @@ def test_a_killed_joined_writer_is_picked_up(tmp_path):
     assert len(counts) == n
     print(f"{fake.requests} requests for {n} samples")
     assert fake.requests <= 1.15 * n, f"{fake.requests} requests for {n} samples"
+
+
+def test_two_hsgen_generate_join_processes(tmp_path):
+    """``hsgen generate --join`` twice on one store (the CLI, two processes): each prompt
+    requested about once, each sample stored once."""
+    shared, store_path = tmp_path / "shm", tmp_path / "st"
+    data = tmp_path / "d.jsonl"
+    n = 160
+    data.write_text(
+        "".join(json.dumps({"id": f"p{i}", "input_ids": [i + 1, i + 2, 3]}) + "\n" for i in range(n))
+    )
+    fake = FakeVLLM(FakeConfig(str(shared), latency_s=0.01))
+    with fake.in_thread() as url:
+        args = [sys.executable, "-m", "hsgen.cli", "generate", str(data), "--store", str(store_path)]
+        args += ["--endpoint", url, "--shared-dir", str(shared), "--layer-ids", "1,2,4", "--no-progress"]
+        args += ["--join", "--join-chunk", "16", "--concurrency", "4", "--log-level", "WARNING"]
+        procs = [
+            subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in "ab"
+        ]
+        outs = [p.communicate(timeout=240) for p in procs]
+    for p, (_out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == EXIT_OK, err[-3000:]
+    summaries = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    store = HiddenStateStore.open(store_path)
+    assert len(store) == n and store.stats()["duplicates"] == 0
+    assert sum(s["stored"] for s in summaries) == n
+    assert fake.requests <= 1.15 * n, f"{fake.requests} requests for {n} samples"

@@ -62,3 +62,41 @@ def test_local_rank_picks_one_of_a_list():
     assert endpoints_for_rank(urls, Ranks(4, 3, 3, 1, "SLURM"), per_local_rank=True) == ["http://b:2"]
     assert endpoints_for_rank(urls, Ranks(4, 3, 0, 1, "SLURM"), per_local_rank=True) == ["http://a:1"]
     assert endpoints_for_rank(urls, Ranks(4, 3, 0, 1, "SLURM")) == urls
+
+
+def test_generate_takes_its_share_from_slurm_variables(tmp_path, monkeypatch, caplog):
+    """``SLURM_PROCID=1 SLURM_NTASKS=2 hsgen generate ...`` stores only rank 1's prompts."""
+    import json
+    import logging
+
+    from click.testing import CliRunner
+    from fake_vllm import FakeConfig, FakeVLLM
+
+    from hsgen.generate import rank_of
+    from hsgen.generate_cli import generate as gen_cmd
+    from hsgen.store import HiddenStateStore
+
+    data = tmp_path / "d.jsonl"
+    data.write_text(
+        "".join(json.dumps({"id": f"p{i}", "input_ids": [i + 1, i + 2]}) + "\n" for i in range(40))
+    )
+    shared = tmp_path / "shm"
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "HSGEN_RANK", "HSGEN_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    caplog.set_level(logging.INFO, logger="hsgen.generate")
+    with FakeVLLM(FakeConfig(str(shared))).in_thread() as url:
+        args = [str(data), "--store", str(tmp_path / "st"), "--endpoint", url, "--shared-dir", str(shared)]
+        args += ["--layer-ids", "1,2,4", "--no-progress"]
+        r = CliRunner().invoke(gen_cmd, args)
+        assert r.exit_code == 0, r.output
+        summary = json.loads(r.stdout.strip().splitlines()[-1])
+        assert "rank 1 of 2 (local rank 0, from SLURM)" in caplog.text
+        r0 = CliRunner().invoke(gen_cmd, [*args, "--rank", "0"])  # an explicit flag wins
+        assert r0.exit_code == 0, r0.output
+    mine = [f"p{i}" for i in range(40) if rank_of(f"p{i}", 2) == 1]
+    assert summary["stored"] == len(mine) and summary["other_rank"] == 40 - len(mine)
+    store = HiddenStateStore.open(tmp_path / "st")
+    assert len(store) == 40, "rank 0 (from --rank) stored the rest"
+    assert json.loads(r0.stdout.strip().splitlines()[-1])["stored"] == 40 - len(mine)

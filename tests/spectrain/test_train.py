@@ -265,3 +265,19 @@ def test_per_step_decisions_use_a_host_group_beside_nccl(tmp_path):
         r = json.loads((tmp_path / f"control{rank}.json").read_text())
         assert r["control_backend"] == "gloo"
         assert r["min_each"] == [1, 9]
+
+
+def test_no_save_final_writes_no_checkpoint(tiny_store, tiny_model_dir, tmp_path):
+    """``--save-every 0 --no-save-final``: a benchmark run trains and logs, and writes no weights."""
+    from spectrain.cli import main
+
+    save = tmp_path / "run"
+    args = ["train", "--store", str(tiny_store), "--verifier", str(tiny_model_dir), "--speculator-type", "dflash",
+            "--save-path", str(save), "--total-seq-len", "256", "--max-steps", "2", "--save-every", "0",
+            "--no-save-final", "--log-every", "1", "--num-layers", "1", "--block-size", "4", "--max-anchors", "8",
+            "--val-fraction", "0"]  # fmt: skip
+    res = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    summary = json.loads(res.stdout.strip().splitlines()[-1])
+    assert summary["step"] == 2 and summary["checkpoint"] is None
+    assert not list(save.glob("checkpoint-*")) and (save / "metrics.jsonl").exists()

@@ -273,3 +273,12 @@ def test_targets_formed_once_are_not_changed_by_the_loss():
     assert torch.equal(targets.logits, before)
     with pytest.raises(ValueError, match="targets"):
         vocab_loss(hidden, head, mode="soft", targets=verifier_targets(th, tw, "hard"))
+
+
+def test_chunks_on_cuda_fill_the_gpu():
+    """On CUDA a chunk is at least 2560 rows (its gradient GEMM: 640 tiles at H 4096, ~4.85 waves
+    of 132 SMs); off CUDA the 256 MiB budget holds."""
+    assert default_chunk_rows(151936, device_type="cuda") == 2560
+    assert default_chunk_rows(32000, device_type="cuda") == 2560
+    assert default_chunk_rows(1000, device_type="cuda") == default_chunk_rows(1000) == 67072
+    assert default_chunk_rows(151936, device_type="cpu") == 384

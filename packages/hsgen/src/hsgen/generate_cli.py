@@ -33,6 +33,7 @@ def generate(
     streaming,
     store_path,
     endpoints,
+    endpoint_per_local_rank,
     shared_dir,
     api_key,
     model,
@@ -51,6 +52,8 @@ def generate(
     max_concurrency,
     world_size,
     rank,
+    join,
+    join_chunk,
     failures_path,
     limit,
     shard_mb,
@@ -80,15 +83,28 @@ def generate(
     """
     from hsgen import protocol
     from hsgen.client import ClientConfig
-    from hsgen.generate import GenerateConfig, default_failures_path
+    from hsgen.generate import GenerateConfig
     from hsgen.generate import generate as run_generate
+    from hsgen.launcher import endpoints_for_rank, resolve_ranks
     from hsgen.render import render_stream
     from hsgen.saturate import SaturationConfig
+    from hsgen.store.backend import is_remote
 
     setup_logging(log_level)
     inputs = dataset_inputs(inputs, split, max_samples, streaming)
-    if rank >= world_size:
-        raise click.BadParameter(f"must be < --world-size ({world_size})", param_hint="--rank")
+    try:
+        ranks = resolve_ranks(world_size, rank)
+        original = list(endpoints)
+        endpoints = endpoints_for_rank(endpoints, ranks, per_local_rank=endpoint_per_local_rank)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--rank") from None
+    world_size, rank = ranks.world_size, ranks.rank
+    if join and is_remote(store_path):
+        raise click.BadParameter(
+            "claims need a store on a file system, not object storage", param_hint="--join"
+        )
+    if ranks.world_size > 1 or ranks.source != "default" or any("{" in e for e in original):
+        log.info("hsgen generate: %s, endpoints %s", ranks.describe(), ", ".join(endpoints))
     ids = None
     if layer_ids:
         try:
@@ -129,17 +145,29 @@ def generate(
             shard_bytes=int(shard_mb * (1 << 20)),
             commit_interval_s=commit_interval,
             max_buffer_bytes=int(max_buffer_mb * (1 << 20)),
-            failures_path=failures_path or default_failures_path(store_path, rank, world_size),
+            failures_path=failures_path or _failures_default(store_path, rank, world_size),
             max_samples=limit,
             max_consecutive_failures=max_consecutive_failures,
             stop_grace_s=stop_grace,
             on_bad_input=on_bad_input,
+            join=join,
+            join_chunk=join_chunk,
         )
     except ValueError as e:
         raise click.UsageError(str(e)) from None
+    if renderer.config.tokenizer_path:  # checked against each server before any work is sent
+        from hsgen.tokenizer_check import PROBE, TokenizerMismatch, check_served_tokenizer
+
+        try:
+            check_served_tokenizer(endpoints, renderer.encode(PROBE)[0], flag="--tokenizer",
+                                   api_key=api_key or None, model=model)  # fmt: skip
+        except TokenizerMismatch as e:
+            raise click.ClickException(str(e)) from None
     if store is None:
         store = _store_factory(store_path, ids, verifier or model, renderer.fingerprint, codec, cfg)
     prompts = render_stream(list(inputs), renderer, on_bad_input=on_bad_input)
+    if join and "-" not in inputs:  # a joined run may read the input again for dead writers' chunks
+        prompts = lambda: render_stream(list(inputs), renderer, on_bad_input=on_bad_input)  # noqa: E731
     show = progress is not False  # a bar on a terminal, log lines otherwise: see hsgen.progress
     summary = asyncio.run(_run_with_signals(run_generate, cfg, prompts, store, show))
     summary.store = summary.store or str(store_path)
@@ -163,16 +191,37 @@ def _check_layer_ids(layer_ids, model_dir: Path) -> None:
         raise click.BadParameter(f"{e} ({model_dir / 'config.json'})", param_hint="--layer-ids") from None
 
 
-def _open_store(path: Path, layer_ids, fingerprint: str):
+def _failures_default(store_path, rank: int, world_size: int) -> str:
+    """Beside a store on disk; in the working directory for one on object storage."""
+    from hsgen.generate import default_failures_path
+    from hsgen.store.backend import is_remote
+
+    if is_remote(store_path):
+        return default_failures_path(Path(str(store_path).rstrip("/").rsplit("/", 1)[-1]), rank, world_size)
+    return default_failures_path(store_path, rank, world_size)
+
+
+def _open_store(path, layer_ids, fingerprint: str):
     from hsgen.store import HiddenStateStore, StoreError
+    from hsgen.store.backend import is_remote
     from hsgen.store.store import HEADER_FILE
 
-    if not (path / HEADER_FILE).exists() and (not path.is_dir() or not _visible_entries(path)):
+    if is_remote(path):
+        try:
+            store = HiddenStateStore.open(path)
+        except FileNotFoundError:
+            return None
+        except StoreError as e:
+            if "not an hsgen store (no" in str(e):
+                return None
+            raise click.ClickException(str(e)) from None
+    elif not (path / HEADER_FILE).exists() and (not path.is_dir() or not _visible_entries(path)):
         return None  # not created yet (a first run may have left only its lease)
-    try:
-        store = HiddenStateStore.open(path)
-    except StoreError as e:
-        raise click.ClickException(str(e)) from None
+    else:
+        try:
+            store = HiddenStateStore.open(path)
+        except StoreError as e:
+            raise click.ClickException(str(e)) from None
     h = store.header
     if layer_ids is not None and tuple(layer_ids) != tuple(h.layer_ids):
         raise click.ClickException(

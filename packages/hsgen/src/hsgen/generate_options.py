@@ -13,8 +13,9 @@ TARGET_OPTIONS = [  # the store and the servers
         "--store",
         "store_path",
         required=True,
-        type=click.Path(file_okay=False, path_type=Path),
-        help="The store directory; created if missing, resumed (existing ids skipped) if present.",
+        callback=lambda ctx, param, value: _store_location(ctx, param, value),
+        help="The store directory, or s3://bucket/prefix on object storage (credentials and endpoint "
+        "from the AWS_* variables); created if missing, resumed (existing ids skipped) if present.",
     ),
     click.option(
         "--endpoint",
@@ -22,7 +23,13 @@ TARGET_OPTIONS = [  # the store and the servers
         multiple=True,
         required=True,
         help="A server's base URL, e.g. http://localhost:8000 (a trailing /v1 is accepted). Repeat for "
-        "several servers; each request goes to the least loaded one.",
+        "several servers; each request goes to the least loaded one. A template names a node-local "
+        "server per rank: http://localhost:{8000+local_rank}.",
+    ),
+    click.option(
+        "--endpoint-per-local-rank",
+        is_flag=True,
+        help="Send this rank's requests only to the LOCAL_RANK-th --endpoint (modulo their number).",
     ),
     click.option(
         "--shared-dir",
@@ -69,18 +76,27 @@ SCALE_OPTIONS = [  # requests in flight, ranks, how much to do
     click.option(
         "--world-size",
         type=click.IntRange(min=1),
-        default=1,
-        show_default=True,
-        envvar="HSGEN_WORLD_SIZE",
-        help="Number of ranks (nodes/processes) filling one store; the input is split by a hash of the sample id.",
+        help="Number of ranks (nodes/processes) filling one store; the input is split by a hash of the "
+        "sample id. Default: from the launcher (HSGEN_WORLD_SIZE, torchrun's WORLD_SIZE, SLURM_NTASKS), else 1.",
     ),
     click.option(
         "--rank",
         type=click.IntRange(min=0),
-        default=0,
+        help="This process's rank, 0..world_size-1. Default: HSGEN_RANK, torchrun's RANK, SLURM_PROCID, else 0.",
+    ),
+    click.option(
+        "--join",
+        is_flag=True,
+        help="Help the generators already filling this store (all started with --join): each claims "
+        "chunks of the input in the store, so every prompt is requested once; a killed one's chunks "
+        "are taken over. Without it a second generator on a store is refused.",
+    ),
+    click.option(
+        "--join-chunk",
+        type=click.IntRange(min=1),
+        default=64,
         show_default=True,
-        envvar="HSGEN_RANK",
-        help="This process's rank, 0..world_size-1.",
+        help="Prompts per claim with --join (the same for every joined generator).",
     ),
     click.option(
         "--failures",
@@ -210,6 +226,15 @@ RUN_OPTIONS = [
         help="Show a progress bar on stderr (default: when stderr is a terminal).",
     ),
 ]
+
+
+def _store_location(ctx, param, value):
+    """A store path (``Path``), or an ``s3://`` URL kept as a string."""
+    from hsgen.store.backend import is_remote
+
+    if value is None or is_remote(value):
+        return value
+    return click.Path(file_okay=False, path_type=Path).convert(value, param, ctx)
 
 
 def generate_options(f):

@@ -36,7 +36,9 @@ log = logging.getLogger("hsgen.generate")
     help="Where to write the JSONL records ('-' = stdout).",
 )
 @click.option(
+    "--endpoint",
     "--server",
+    "server",
     help="Render with this server instead of --tokenizer: vLLM's /v1/chat/completions/render (its own "
     "chat template) and /tokenize, e.g. http://localhost:8000. --chat-template does not apply.",
 )

@@ -40,7 +40,7 @@ class LazyStore:
     def __init__(
         self, path: str | Path, create: Callable[[FetchedSample], Any], expected: ExpectedStates | None = None
     ):
-        self.path = Path(path)
+        self.path = path if str(path).startswith("s3://") else Path(path)
         self._create = create
         self.expected = expected or ExpectedStates()
 
@@ -121,7 +121,9 @@ class StoreSink:
             self.store = store
             store.refresh()
             report.summary.store = str(store.path)
-        self.path: Path | None = Path(store.path) if getattr(store, "path", None) is not None else None
+        where = getattr(store, "path", None)
+        # a store on object storage has no lease directory (leases and claims use file locks)
+        self.path: Path | None = None if where is None or str(where).startswith("s3://") else Path(where)
         self.writer_id = writer_id
         self.shard_bytes = shard_bytes
         self.commit_interval_s = commit_interval_s

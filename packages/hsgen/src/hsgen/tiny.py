@@ -70,6 +70,10 @@ class TinyModelSpec:
 DEFAULT_SPEC = TinyModelSpec(pretrain_steps=150, pretrain_seq_len=128, pretrain_batch=8)
 """The model ``--model tiny`` serves: the default shape, briefly pretrained on the sample chats."""
 
+VLLM_SPEC = TinyModelSpec(head_dim=32, pretrain_steps=150, pretrain_seq_len=128, pretrain_batch=8)
+"""The tiny model the real-vLLM tier serves: :data:`DEFAULT_SPEC` with ``head_dim`` 32 (vLLM's CPU
+attention kernel refuses 16: ``Unsupported CPU attention configuration: head_dim=16``)."""
+
 
 def default_cache_dir() -> Path:
     """``$HSGEN_CACHE`` or ``~/.cache/hsgen``."""

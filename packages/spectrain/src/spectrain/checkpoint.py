@@ -70,14 +70,37 @@ def find_resume(cfg: TrainConfig) -> Path | None:
 
 
 def load_trainer_state(checkpoint: Path, world_size: int) -> dict[str, Any]:
-    """The trainer state of ``checkpoint``; refuses another world size (the data cursor is per rank)."""
+    """The trainer state of ``checkpoint``, its data cursor re-split when ``world_size`` differs.
+
+    Another number of processes takes over what the saved ranks had left of the epoch: their
+    untrained plan tails, interleaved, dealt out round-robin (``loop["positions"]`` all 0, one
+    plan per new rank in ``plans``), so nothing is trained twice and nothing is lost. A
+    checkpoint without plans (older) still needs the same world size.
+    """
     state = torch.load(checkpoint / STATE_DIR / "state.pt", map_location="cpu", weights_only=False)
-    saved_world = state["loop"]["world_size"]
-    if saved_world != world_size:
+    loop = state["loop"]
+    saved_world = loop["world_size"]
+    if saved_world == world_size:
+        return state
+    plans = state.get("plans")
+    if not plans or len(plans) != saved_world:
         raise ValueError(
             f"{checkpoint}: saved with {saved_world} processes, resuming with {world_size}; "
-            "the data cursor is per rank, so resume with the same world size"
+            "this checkpoint holds no per-rank plans to re-split, so resume with the same world size"
         )
+    tails = [plan[pos:] for plan, pos in zip(plans, loop["positions"], strict=True)]
+    left = []
+    for k in range(max(map(len, tails), default=0)):
+        left += [t[k] for t in tails if k < len(t)]
+    state["plans"] = [left[r::world_size] for r in range(world_size)]
+    state["loop"] = {
+        **loop,
+        "positions": [0] * world_size,
+        "world_size": world_size,
+        "resplit_from": saved_world,
+    }
+    log.info("%s: %d processes resume what %d left of epoch %d (%d samples)", checkpoint, world_size,
+             saved_world, loop["epoch"], len(left))  # fmt: skip
     return state
 
 

@@ -44,6 +44,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+REMOTE_READS_IN_FLIGHT = 16
+"""Reader threads for a store on object storage (``s3://``), unless ``--read-threads`` asks more."""
+
 SPLITS = ("train", "validation")
 
 
@@ -131,11 +134,13 @@ class StoreSource:
             raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
         if not 0.0 <= val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+        from hsgen.store.backend import is_remote
+
         if isinstance(store, str | Path):
-            self.path = Path(store)
+            self.path = store if is_remote(store) else Path(store)  # s3://bucket/prefix stays a URL
             self._store = None
         else:
-            self.path = Path(store.path)
+            self.path = store.path if is_remote(str(store.path)) else Path(store.path)
             self._store = store
         self.split = split
         self.val_fraction = val_fraction
@@ -143,6 +148,14 @@ class StoreSource:
         self.rank = rank
         self.world_size = world_size
         self.verify = verify
+
+    @property
+    def reads_in_flight(self) -> int:
+        """Reads the loader should keep in flight at least: many on object storage, where each
+        read waits a round trip (``docs/benchmarks.md``: the figure that reaches the local rate)."""
+        from hsgen.store.backend import is_remote
+
+        return REMOTE_READS_IN_FLIGHT if is_remote(str(self.path)) else 0
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)

@@ -56,11 +56,13 @@ def resolve_device(cfg: TrainConfig) -> torch.device:
 
 
 def gather(obj: Any, info: DistInfo) -> list[Any]:
-    """``obj`` of every rank, in rank order (``[obj]`` on one process)."""
+    """``obj`` of every rank, in rank order (``[obj]`` on one process), over the gloo control
+    group: an object collective over NCCL pickles into CUDA tensors and reads them back (a copy
+    each way and a sync on the queued work)."""
     if not info.enabled:
         return [obj]
     out: list[Any] = [None] * info.world_size
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=info.control)
     return out
 
 

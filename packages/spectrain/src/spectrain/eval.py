@@ -31,6 +31,9 @@ from spectrain.draft_io import draft_config_from_export as draft_config_from_exp
 
 log = logging.getLogger(__name__)
 
+COUNTINGS = ("spectrain", "vllm")
+"""How :func:`speculative_generate` counts a step (see there)."""
+
 DTYPES = {
     "float64": torch.float64,
     "float32": torch.float32,
@@ -98,6 +101,7 @@ class Verifier:
             else:
                 self._handles.append(layers[k - 1].register_forward_hook(self._post_hook(k)))
         self._cache = None
+        self._tokens: list[int] = []  # what the cache holds
         self.forwards = 0
         params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
@@ -127,10 +131,11 @@ class Verifier:
     def reset(self) -> None:
         """Forget the cached context (start of a new prompt)."""
         self._cache = None
+        self._tokens = []
 
     @property
     def cached_tokens(self) -> int:
-        return 0 if self._cache is None else int(self._cache.get_seq_length())
+        return len(self._tokens)
 
     @torch.inference_mode()
     def extend(self, token_ids: Sequence[int]) -> tuple[list[int], torch.Tensor]:
@@ -149,6 +154,7 @@ class Verifier:
         ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
         self._captured.clear()
         out = self.model(input_ids=ids, **{self._cache_kwarg: self._cache}, use_cache=True)
+        self._tokens.extend(int(t) for t in token_ids)
         self.forwards += 1
         preds = out.logits[0].argmax(dim=-1).tolist()
         if self.layer_ids:
@@ -159,12 +165,31 @@ class Verifier:
         return [int(p) for p in preds], hidden
 
     def truncate(self, length: int) -> None:
-        """Keep only the first ``length`` cached tokens."""
+        """Keep only the first ``length`` cached tokens.
+
+        A cache that cannot be cut back (a sliding-window layer past its window, a linear-attention
+        layer's recurrent state: Gemma, gpt-oss, Mistral, Qwen3-Next / Qwen3.5) is rebuilt from the
+        kept tokens in one forward, so the context stays exactly the verifier's own."""
         extra = self.cached_tokens - length
         if extra < 0:
             raise ValueError(f"cannot truncate a {self.cached_tokens}-token cache to {length}")
-        if extra:
+        if not extra:
+            return
+        if self._croppable():
             self._cache.crop(-extra)
+            del self._tokens[length:]
+            return
+        kept = self._tokens[:length]
+        self.reset()
+        if kept:
+            self.extend(kept)
+            self.forwards -= 1  # a rebuild, not a verification step
+
+    def _croppable(self) -> bool:
+        layers = getattr(self._cache, "layers", None)
+        if layers is None:
+            return True
+        return all(type(layer).__name__ == "DynamicLayer" for layer in layers)
 
     def greedy(self, prompt_ids: Sequence[int], max_new_tokens: int) -> list[int]:
         """The verifier's own greedy continuation (stops after an EOS token)."""
@@ -190,7 +215,8 @@ class SpeculativeOutput:
             When an accepted proposal is an EOS token, the output ends there: the step emitted
             ``accepted`` tokens and counts only the proposals up to the EOS as proposed.
         proposed: per step, draft tokens proposed (and seen, see above).
-        emitted: per step, tokens added to the output.
+        emitted: per step, tokens added to the output (``counting="vllm"``: ``accepted + 1``,
+            what vLLM counts, even where the output was cut).
     """
 
     tokens: list[int] = field(default_factory=list)
@@ -205,8 +231,18 @@ def speculative_generate(
     prompt_ids: Sequence[int],
     max_new_tokens: int,
     num_speculative_tokens: int,
+    counting: str = "spectrain",
 ) -> SpeculativeOutput:
-    """Generate up to ``max_new_tokens`` tokens with draft proposals and greedy verification."""
+    """Generate up to ``max_new_tokens`` tokens with draft proposals and greedy verification.
+
+    ``counting``: ``"spectrain"`` proposes no more than the output has room for and counts only
+    proposals up to an EOS; ``"vllm"`` counts as vLLM's spec-decode counters do (always ``K``
+    proposals, every accepted one counted even past ``max_new_tokens`` or an EOS, the output cut
+    afterwards), so that :mod:`spectrain.served` compares like with like.
+    """
+    if counting not in COUNTINGS:
+        raise ValueError(f"counting {counting!r}: choose one of {COUNTINGS}")
+    as_vllm = counting == "vllm"
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
     if not prompt_ids:
@@ -218,7 +254,11 @@ def speculative_generate(
     out = SpeculativeOutput(tokens=[preds[-1]])
     sequence = [*prompt_ids, preds[-1]]
     while len(out.tokens) < max_new_tokens and out.tokens[-1] not in eos:
-        budget = min(num_speculative_tokens, max_new_tokens - len(out.tokens) - 1)
+        budget = (
+            num_speculative_tokens
+            if as_vllm
+            else min(num_speculative_tokens, max_new_tokens - len(out.tokens) - 1)
+        )
         proposals: list[int] = []
         if budget > 0:
             proposals = [int(t) for t in proposer.propose(sequence, context_hidden, budget)]
@@ -234,18 +274,21 @@ def speculative_generate(
         new = [*proposals[:accepted], preds[accepted]]
         verifier.truncate(len(sequence) + accepted)
         context_hidden = torch.cat([context_hidden, hidden[: accepted + 1]], dim=0)
-        proposed = len(proposals)
+        proposed, counted = len(proposals), len(new)
         for i, t in enumerate(new):
             if t in eos:  # the output ends here: later tokens of the step are never seen
                 new = new[: i + 1]
-                accepted = min(accepted, len(new))
-                proposed = min(proposed, len(new))
+                if not as_vllm:
+                    accepted = min(accepted, len(new))
+                    proposed = min(proposed, len(new))
                 break
+        if as_vllm:
+            new = new[: max_new_tokens - len(out.tokens)]
         out.tokens.extend(new)
         sequence.extend(new)
         out.accepted.append(accepted)
         out.proposed.append(proposed)
-        out.emitted.append(len(new))
+        out.emitted.append(counted if as_vllm else len(new))
     return out
 
 
@@ -337,12 +380,16 @@ def evaluate(
     num_speculative_tokens: int | None = None,
     check_greedy: bool = True,
     progress: bool = False,
+    counting: str = "spectrain",
+    keep_tokens: bool = False,
 ) -> EvalReport:
     """Run speculative decoding on every prompt and compare each output with greedy decoding.
 
     Args:
         num_speculative_tokens: ``K``; defaults to ``proposer.num_speculative_tokens``.
         check_greedy: also decode greedily without the draft and compare (``exact_match``).
+        counting: ``"spectrain"`` or ``"vllm"`` (see :func:`speculative_generate`).
+        keep_tokens: put each output's token ids in ``per_prompt[i]["tokens"]``.
     """
     K = int(num_speculative_tokens or proposer.num_speculative_tokens)
     if K < 1:
@@ -359,7 +406,7 @@ def evaluate(
     greedy_forwards = 0
     for p in progress_bar(prompts, desc="eval", unit="prompt", disable=not progress):
         t0 = time.perf_counter()
-        o = speculative_generate(verifier, proposer, p.token_ids, max_new_tokens, K)
+        o = speculative_generate(verifier, proposer, p.token_ids, max_new_tokens, K, counting)
         spec_s += time.perf_counter() - t0
         outputs.append(o)
         row: dict[str, Any] = {
@@ -368,6 +415,8 @@ def evaluate(
             "steps": len(o.accepted),
             "tau": sum(o.emitted) / len(o.accepted) if o.accepted else None,
         }
+        if keep_tokens:
+            row["tokens"] = list(o.tokens)
         if check_greedy:
             t0 = time.perf_counter()
             before = verifier.forwards
@@ -457,7 +506,9 @@ def load_prompts(
 
 def load_verifier(path: str | Path, layer_ids: Sequence[int], *, dtype: str = "float64", device: str = "cpu"):
     """Load a local HF causal LM as a :class:`Verifier`; returns ``(verifier, tokenizer)``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from hsgen.serve.hidden import load_causal_lm
 
     path = Path(path)
     if not (path / "config.json").is_file():
@@ -467,7 +518,7 @@ def load_verifier(path: str | Path, layer_ids: Sequence[int], *, dtype: str = "f
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r}: choose one of {sorted(DTYPES)}")
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], local_files_only=True)
+    model = load_causal_lm(path, DTYPES[dtype])
     model.to(device).eval()
     eos: set[int] = set()
     for source in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):

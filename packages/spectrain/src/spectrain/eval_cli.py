@@ -9,7 +9,8 @@ from typing import Any
 
 import click
 
-from spectrain.eval import DTYPES
+DTYPES = ("bfloat16", "float16", "float32", "float64")
+"""``spectrain.eval.DTYPES``' names, spelled here so ``--help`` does not import torch (a test keeps them equal)."""
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -41,6 +42,21 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(
             f"MISMATCH {m['id']} ({m['source']}): first difference at generated token {m['first_difference']}"
         )
+    served = report.get("served")
+    if served:
+        rates = " ".join(f"{r:.3f}" for r in served["acceptance_rate"])
+        lines += [
+            "",
+            f"served       {served['endpoint']} ({served['model']})",
+            f"served tau   {served['tau']:.3f}  (vLLM's counters: {served['accepted']} accepted in {served['drafts']} "
+            f"drafts; here {report['tau']:.3f}, counted as vLLM counts; difference {report['tau_difference']:+.3f})",
+            f"served rate  {rates}  (per position)",
+            f"served exact {'yes' if served['exact_match'] else 'NO'}",
+        ]
+        for m in served["mismatches"]:
+            lines.append(
+                f"SERVED MISMATCH {m['id']} ({m['source']}): first difference at token {m['first_difference']}"
+            )
     return "\n".join(lines)
 
 
@@ -160,10 +176,23 @@ def follow_latest(path: str) -> str:
     default=None,
     help="Progress on stderr: a bar on a terminal, periodic log lines otherwise [default: auto].",
 )
+@click.option(
+    "--endpoint",
+    help="Also measure the draft where it is served: a vLLM server running it with --speculative-config "
+    "(nothing else may use it meanwhile). Reports vLLM's own acceptance (its spec-decode counters on /metrics) "
+    "beside ours, both counted as vLLM counts, and checks every served output against greedy decoding.",
+)
+@click.option("--api-key", envvar="VLLM_API_KEY", help="Bearer key of --endpoint [env: VLLM_API_KEY].")
+@click.option(
+    "--ignore-eos",
+    is_flag=True,
+    default=False,
+    help="Generate --max-new-tokens tokens per prompt even past an EOS (vLLM's ignore_eos; fixed-length outputs).",
+)
 @click.option("--log-level", default="WARNING", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]))
 def eval_command(draft_dir, verifier, revision, prompts_path, max_new_tokens, split, chat_template, template_kwargs,
-                 layer_ids, num_prompts, num_speculative_tokens, dtype, device, block_attention, torch_threads, as_json,
-                 progress, log_level) -> None:  # fmt: skip
+                 layer_ids, num_prompts, num_speculative_tokens, dtype, device, block_attention, torch_threads,
+                 as_json, progress, endpoint, api_key, ignore_eos, log_level) -> None:  # fmt: skip
     """Speculative decoding with greedy verification: tau, per-position acceptance, exactness.
 
     The verifier runs with transformers; the draft is loaded from the exported (vLLM) format.
@@ -204,6 +233,8 @@ def eval_command(draft_dir, verifier, revision, prompts_path, max_new_tokens, sp
                                        block_attention=None if block_attention == "auto" else block_attention)  # fmt: skip
         layers = _layer_ids(layer_ids, proposer.layer_ids)
         ver, tokenizer = load_verifier(verifier, layers, dtype=dtype, device=device)
+        if ignore_eos:
+            ver.eos_token_ids = frozenset()
         from hsgen.cli import json_object_option
         from hsgen.hf_datasets import as_input
 
@@ -224,6 +255,13 @@ def eval_command(draft_dir, verifier, revision, prompts_path, max_new_tokens, sp
         max_new_tokens=max_new_tokens,
         num_speculative_tokens=num_speculative_tokens,
         progress=progress is not False,
+        counting="vllm" if endpoint else "spectrain",
+        keep_tokens=bool(endpoint),
+    )
+    served = (
+        _measure_endpoint(endpoint, api_key, prompts, max_new_tokens, report, progress, ignore_eos)
+        if endpoint
+        else None
     )
     result = {
         "draft": str(draft_dir),
@@ -232,9 +270,16 @@ def eval_command(draft_dir, verifier, revision, prompts_path, max_new_tokens, sp
         "layer_ids": list(layers),
         "block_attention": getattr(proposer.model.cfg, "block_attention", None),
         "max_new_tokens": max_new_tokens,
+        "ignore_eos": ignore_eos,
         "verifier_dtype": dtype,
         **report.to_dict(),
     }
+    if served is not None:
+        for row in result["per_prompt"]:
+            row.pop("tokens", None)
+        result["counting"] = "vllm"
+        result["served"] = served.to_dict()
+        result["tau_difference"] = served.tau - report.tau
     table = format_report(result)
     if as_json:
         click.echo(table, err=True)
@@ -244,3 +289,18 @@ def eval_command(draft_dir, verifier, revision, prompts_path, max_new_tokens, sp
     if not report.exact_match:
         click.echo("error: speculative decoding changed the output (see MISMATCH lines)", err=True)
         sys.exit(1)
+    if served is not None and not served.exact_match:
+        click.echo(f"error: {endpoint} served outputs that differ from greedy decoding (see SERVED MISMATCH lines)",
+                   err=True)  # fmt: skip
+        sys.exit(1)
+
+
+def _measure_endpoint(endpoint, api_key, prompts, max_new_tokens, report, progress, ignore_eos):
+    from spectrain.served import EndpointError, evaluate_endpoint
+
+    reference = [row["tokens"] for row in report.per_prompt]
+    try:
+        return evaluate_endpoint(endpoint, prompts, max_new_tokens, reference=reference, api_key=api_key,
+                                 progress=progress is not False, ignore_eos=ignore_eos)  # fmt: skip
+    except EndpointError as e:
+        raise click.ClickException(f"--endpoint: {e}") from None

@@ -145,6 +145,27 @@ def vllm_weights(model: DraftModel, state: dict[str, torch.Tensor] | None = None
 _WARNED: set[str] = set()
 
 
+def speculative_config_for(draft_dir: str | Path, config: dict) -> dict:
+    """The ``--speculative-config`` that serves ``draft_dir`` (its exported ``config``) with the trained method.
+
+    vLLM reads ``speculators_model_type`` only for a bare ``vllm serve <draft>``. Given a draft
+    through ``--speculative-config`` without ``"method"``, vLLM 0.32 guesses the method from the
+    path ("eagle3" / "dflash" in it) and otherwise serves a plain draft model: outputs stay exact
+    but the acceptance drops (docs/vllm.md). So every hint names the method.
+    """
+    tokens = int(config["speculators_config"]["proposal_methods"][0]["speculative_tokens"])
+    return {
+        "method": config["speculators_model_type"],
+        "model": str(draft_dir),
+        "num_speculative_tokens": tokens,
+    }
+
+
+def serve_hint(draft_dir: str | Path, config: dict, verifier: str) -> str:
+    """The ``vllm serve`` command line for a local verifier, naming the method."""
+    return f"vllm serve {verifier} --speculative-config '{json.dumps(speculative_config_for(draft_dir, config))}'"
+
+
 def export_draft(
     model: DraftModel,
     out_dir: str | Path,
@@ -162,17 +183,19 @@ def export_draft(
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    if (os.path.isabs(verifier_name) or verifier_name.startswith(".")) and verifier_name not in _WARNED:
-        _WARNED.add(verifier_name)  # once per run, not once per checkpoint
-        log.warning(
-            "speculators_config.verifier.name_or_path is a local path (%s): a bare `vllm serve <draft>` refuses it; "
-            "serve with --model <verifier> --speculative-config, or export with --verifier-name <hub id>",
-            verifier_name,
-        )
     weights = vllm_weights(model, state)
     if include_embeddings:
         weights["embed_tokens.weight"] = _cast("embed_tokens.weight", model.verifier.embed_tokens)
     config = model.vllm_config(verifier_name, architectures)
+    if (os.path.isabs(verifier_name) or verifier_name.startswith(".")) and verifier_name not in _WARNED:
+        _WARNED.add(verifier_name)  # once per run, not once per checkpoint
+        log.warning(
+            "speculators_config.verifier.name_or_path is a local path (%s): a bare `vllm serve <draft>` refuses it; "
+            "serve with `%s` (name the method: without it vLLM guesses from the path), or export with "
+            "--verifier-name <hub id>",
+            verifier_name,
+            serve_hint(out, config, verifier_name),
+        )
     save_file(weights, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
     os.chmod(out / WEIGHTS_NAME, 0o644)  # safetensors creates it 0600; a serving user must read it
     tmp = out / (CONFIG_NAME + ".tmp")

@@ -20,6 +20,7 @@ users import from here still are.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import signal
@@ -121,9 +122,12 @@ class Trainer:
         header = self.source.header
         check_header(cfg, header, self.verifier)
         self.hidden_dtype = TORCH_DTYPES.get(getattr(header, "dtype", "bfloat16"), torch.bfloat16)
-        self.model, self.layer_index = build_model(
-            cfg, self.verifier, self.source, self.state, self.info, self.device
-        )
+        # built where it trains: a 1B-parameter draft's initialisation takes seconds on a GPU, minutes
+        # on the host (the models make their host-side tensors on the host, whatever the default)
+        with torch.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+            self.model, self.layer_index = build_model(
+                cfg, self.verifier, self.source, self.state, self.info, self.device
+            )
         self.draft_cfg = self.model.cfg
         self.model.to(self.device)
         self.module = self.model
@@ -157,7 +161,10 @@ class Trainer:
 
     def _restore(self, state: dict[str, Any]) -> None:
         loop = state["loop"]
-        if loop.get("distributed") != self._mode():
+        if loop.get("distributed") != self._mode() and {loop.get("distributed"), self._mode()} != {
+            "ddp",
+            "none",
+        }:
             raise ValueError(
                 f"{self.resume_dir}: saved under {loop.get('distributed')}, resuming under {self._mode()}"
             )
@@ -184,12 +191,17 @@ class Trainer:
         if self.plans is not None and epoch == self.epoch and self.state is not None:
             saved = self.plans[self.info.rank]
             self.plans = None
-            if saved != plan:
+            if saved != plan and "resplit_from" in self.state["loop"]:
+                log.info(
+                    "epoch %d: this rank's share of what the saved run left (%d samples)", epoch, len(saved)
+                )
+            elif saved != plan:
                 log.warning(
                     "epoch %d plan changed since the checkpoint (samples added to or removed from the store); "
                     "continuing the saved plan",
                     epoch,
                 )
+            if saved != plan:
                 use = getattr(self.source, "use_plan", None)
                 if use is not None:
                     use(epoch, saved)
@@ -203,7 +215,8 @@ class Trainer:
         return PackedLoader(
             source, plan, start=start, total_seq_len=self.cfg.total_seq_len, layers=self.layer_index,
             hidden_dtype=self.hidden_dtype, num_workers=self.cfg.num_workers,
-            pin_memory=self.device.type == "cuda", prefetch=self.cfg.prefetch, read_threads=self.cfg.read_threads,
+            pin_memory=self.device.type == "cuda", prefetch=self.cfg.prefetch,
+            read_threads=max(self.cfg.read_threads, getattr(source, "reads_in_flight", 0)),  # object storage: more
             ahead=self.cfg.grad_accum + 1, device=self.device, buffers=self._buffers,
         )  # fmt: skip
 
@@ -298,7 +311,8 @@ class Trainer:
             if window.steps:  # the last step is always logged, however short the run
                 self.checks.check()
                 self.metrics.write(self._train_record(window))
-            if last_saved != self.global_step:
+            # a signal's stop always saves (the run resumes there); the end of a run unless told not to
+            if last_saved != self.global_step and (cfg.save_final or "stopped_by" in summary):
                 self.save()
             self.checks.check()
         finally:
@@ -309,7 +323,7 @@ class Trainer:
                 "step": self.global_step,
                 "epoch": self.epoch,
                 "loss": self.checks.last_loss(),  # None (JSON null) when this run applied no step
-                "checkpoint": str(self.last_checkpoint),
+                "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
                 "nonfinite_steps_skipped": self.checks.skipped,
             }
         )

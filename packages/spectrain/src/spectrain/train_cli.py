@@ -41,7 +41,7 @@ TRAIN_FLAGS = (
     "lr", "min_lr_ratio", "schedule", "warmup_steps", "warmup_ratio", "weight_decay", "max_grad_norm",
     "max_nonfinite_steps",
     "total_seq_len", "grad_accum", "seed", "val_fraction", "val_every", "val_max_sequences", "save_every",
-    "keep_checkpoints", "resume", "num_workers", "prefetch", "read_threads", "verify_samples", "log_every", "device",
+    "save_final", "keep_checkpoints", "resume", "num_workers", "prefetch", "read_threads", "verify_samples", "log_every", "device",
     "precision", "distributed", "vocab_scan_samples", "prompts", "chat_template", "optimizer", "muon_lr",
     "muon_momentum", "muon_weight_decay", "muon_ns_steps", "muon_adjust_lr", "from_pretrained",
 )  # fmt: skip
@@ -189,7 +189,7 @@ TRAIN_SECTIONS: dict[str, tuple[str, ...]] = {
     "Draft (algorithm options)": ("block_size", "max_anchors", "num_layers", "draft_vocab_size", "mask_token_id",
                                   "ttt_steps", "target_mode", "target_layer_ids", "target_layer_id", "draft_option"),
     "Validation and checkpoints": ("val_fraction", "val_every", "val_max_sequences", "save_every",
-                                   "keep_checkpoints"),
+                                   "save_final", "keep_checkpoints"),
     "Online data (vLLM)": ("online", "endpoint", "prompts", "split", "max_samples", "streaming", "layer_ids",
                            "chat_template", "template_kwargs", "shared_dir", "scratch_dir", "scratch_bytes",
                            "delete_consumed", "cache_generated", "delete_cached", "max_down", "online_option"),
@@ -296,6 +296,11 @@ TRAIN_SECTIONS: dict[str, tuple[str, ...]] = {
 @click.option("--val-every", type=int, help="Validate every N steps (default 0 = each epoch end).")
 @click.option("--val-max-sequences", type=int, help="Packed validation sequences per rank (default 64).")
 @click.option("--save-every", type=int, help="Checkpoint every N steps (default 1000; 0 = end only).")
+@click.option(
+    "--save-final/--no-save-final",
+    default=None,
+    help="Checkpoint at the end of the run too (default on; off: only every --save-every steps).",
+)
 @click.option("--keep-checkpoints", type=int, help="Keep the newest N checkpoints (default all).")
 @click.option("--resume", help="auto (latest in --save-path) | none | CHECKPOINT_DIR (default auto).")
 @click.option(
@@ -577,4 +582,8 @@ def export(checkpoint: str, out_dir: str, verifier: str | None, verifier_name: s
     name = verifier_name or resolved["train"].get("verifier_name") or model.verifier.info.name_or_path
     out = export_draft(model, out_dir, verifier_name=name, architectures=model.verifier.info.architectures,
                        include_embeddings=include_embeddings)  # fmt: skip
-    click.echo(json.dumps({"exported": str(out), "verifier": name}))
+    from spectrain.draft_io import read_export_config
+    from spectrain.export import speculative_config_for
+
+    spec = speculative_config_for(out, read_export_config(out))
+    click.echo(json.dumps({"exported": str(out), "verifier": name, "speculative_config": spec}))

@@ -78,6 +78,9 @@ class TrainConfig:
     """Packed validation sequences per rank per validation (None: all)."""
     save_every: int = 1000
     """Checkpoint every N steps (0: only at the end)."""
+    save_final: bool = True
+    """Checkpoint at the end of the run too (False: only every ``save_every`` steps; a benchmark
+    or a smoke run that needs no weights, which are ~10 GB for DFlash at 8B)."""
     keep_checkpoints: int | None = None
     """Keep only the newest N checkpoints (None: keep all)."""
     resume: str = "auto"

@@ -23,18 +23,21 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def resolve_layers(draft_cfg: DraftConfig, store_layer_ids: Sequence[int], verifier_layers: int) -> list[int]:
-    """Fill ``aux_layer_ids``/``target_layer_id``; return indices into the stored layers (aux..., target)."""
+def resolve_layers(draft_cfg: DraftConfig, store_layer_ids: Sequence[int], verifier_layers: int, *,
+                   origin: str = "the store's layers") -> list[int]:  # fmt: skip
+    """Fill ``aux_layer_ids``/``target_layer_id``; return indices into the stored layers (aux..., target).
+    ``origin`` names where the layer ids came from in errors (online: the ``--layer-ids`` flag)."""
     ids = [int(i) for i in store_layer_ids]
     beyond = [i for i in ids if i > verifier_layers]
     if beyond:
         raise ValueError(
-            f"the store's layer ids {ids} include {beyond}, beyond the verifier's {verifier_layers} layers "
-            f"(ids run from 0, the embeddings, to {verifier_layers}, the last layer): another verifier made it"
+            f"{origin} {ids} include {beyond}, beyond the verifier's {verifier_layers} layers "
+            f"(ids run from 0, the embeddings, to {verifier_layers}, the last layer)"
+            + (": another verifier made it" if origin.startswith("the store") else "")
         )
     target = draft_cfg.target_layer_id if draft_cfg.target_layer_id is not None else ids[-1]
     if target not in ids:
-        raise ValueError(f"target layer {target} is not in the store's layers {ids}")
+        raise ValueError(f"--target-layer-id {target} is not in {origin} {ids}")
     if target != verifier_layers:
         log.warning(
             "target layer %d is not the verifier's last layer %d: targets lm_head(norm(h)) assume the last",
@@ -44,9 +47,9 @@ def resolve_layers(draft_cfg: DraftConfig, store_layer_ids: Sequence[int], verif
     aux = list(draft_cfg.aux_layer_ids) if draft_cfg.aux_layer_ids else [i for i in ids if i != target]
     missing = [i for i in aux if i not in ids]
     if missing:
-        raise ValueError(f"--target-layer-ids {missing} are not in the store's layers {ids}")
+        raise ValueError(f"--target-layer-ids {missing} are not in {origin} {ids}")
     if not aux:
-        raise ValueError(f"the store's layers {ids} leave no auxiliary layer besides the target {target}")
+        raise ValueError(f"{origin} {ids} leave no auxiliary layer besides the target {target}")
     if draft_cfg.algorithm == "eagle3" and len(aux) != 3:
         raise ValueError(
             f"eagle3 needs 3 auxiliary layers; pick 3 of the store's {ids} with --target-layer-ids"
@@ -143,10 +146,19 @@ def token_counts(source: SampleSource, vocab: int, scan_samples: int, info: Dist
 
 
 def estimate_total_steps(cfg: TrainConfig, source: SampleSource, info: DistInfo) -> int:
-    """Optimizer steps of the whole run (``max_steps``, or the packed sequences of every epoch's plan
-    over ``grad_accum``, the fewest of any rank): the LR schedule's length."""
+    """Optimizer steps of the whole run: the packed sequences of every epoch's plan over
+    ``grad_accum`` (the fewest of any rank), or ``max_steps`` when that comes first; the LR
+    schedule's length, so a ``max_steps`` beyond the data still decays to its end."""
+    data = _data_steps(cfg, source, info)
     if cfg.max_steps:
-        return cfg.max_steps
+        if cfg.max_steps > data:
+            log.warning("--max-steps %d is beyond the data (%d steps in %d epoch(s)): the run and its LR schedule "
+                        "end at step %d; raise --epochs for more", cfg.max_steps, data, cfg.epochs, data)  # fmt: skip
+        return min(cfg.max_steps, data)
+    return data
+
+
+def _data_steps(cfg: TrainConfig, source: SampleSource, info: DistInfo) -> int:
     lengths = getattr(source, "lengths", None)
     total = 0
     for e in range(cfg.epochs):
@@ -188,12 +200,13 @@ def build_model(cfg: TrainConfig, verifier: VerifierHeads, source: SampleSource,
     """
     draft_opts = dict(cfg.draft) if state is None else state["draft_config"]
     layers = verifier.info.num_hidden_layers
+    origin = "the servers' layers (--layer-ids)" if cfg.online else f"the layers of store {cfg.store}"
     if cfg.from_pretrained and state is None:
         model = pretrained_draft(cfg, cfg.from_pretrained, verifier, draft_opts)
-        layer_index = resolve_layers(model.cfg, source.header.layer_ids, layers)
+        layer_index = resolve_layers(model.cfg, source.header.layer_ids, layers, origin=origin)
     else:
         draft_cfg = get_config_class(cfg.speculator_type).from_dict(draft_opts, where="draft options")
-        layer_index = resolve_layers(draft_cfg, source.header.layer_ids, layers)
+        layer_index = resolve_layers(draft_cfg, source.header.layer_ids, layers, origin=origin)
         model = build_draft(draft_cfg, verifier)
     if state is not None:
         model.load_state_dict(state["model"])

@@ -95,7 +95,7 @@ def load_model(
     model: str, *, dtype: str = "auto", device: str = "cpu", tiny_cache_dir: str | None = None
 ) -> LoadedModel:
     """Load tokenizer and model from a local directory (``local_files_only``), in eval mode."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     path = resolve_model_path(model, tiny_cache_dir)
     if dtype == "auto":
@@ -105,7 +105,7 @@ def load_model(
     torch_dtype: Any = _DTYPES[dtype]
     log.info("loading %s (dtype=%s, device=%s)", path, dtype, device)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True)
+    lm = load_causal_lm(path, torch_dtype)
     lm.to(device).eval()
     cfg = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
     eos: set[int] = set()
@@ -127,6 +127,22 @@ def load_model(
         eos_token_ids=frozenset(eos),
         vocab_size=int(cfg.vocab_size),
     )
+
+
+def load_causal_lm(path: Path, dtype: torch.dtype) -> Any:
+    """The checkpoint's own class: its causal LM, or a multimodal wrapper
+    (``*ForConditionalGeneration``: Gemma 3 / 4, Qwen3-VL, Qwen3.5) with all its weights, run
+    on text. Loaded ``local_files_only``; not moved, not in eval mode."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    archs = getattr(config, "architectures", None) or []
+    auto = AutoModelForCausalLM
+    if any(a.endswith("ForConditionalGeneration") for a in archs) and type(config) in (
+        AutoModelForImageTextToText._model_mapping
+    ):
+        auto = AutoModelForImageTextToText
+    return auto.from_pretrained(path, dtype=dtype, local_files_only=True)
 
 
 def decoder_layers(model: Any) -> Sequence[torch.nn.Module]:

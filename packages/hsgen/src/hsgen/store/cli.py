@@ -9,11 +9,20 @@ from pathlib import Path
 
 import click
 
+from .backend import is_remote
 from .errors import StoreError
 from .manifest import summarize
 from .store import HiddenStateStore
 
-_store_arg = click.argument("store", type=click.Path(exists=True, file_okay=False))
+
+def _location(ctx, param, value: str) -> str:
+    """A store directory that exists, or an ``s3://bucket/prefix`` URL."""
+    if is_remote(value):
+        return value
+    return click.Path(exists=True, file_okay=False).convert(value, param, ctx)
+
+
+_store_arg = click.argument("store", callback=_location)
 _json_opt = click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 
 
@@ -25,8 +34,8 @@ def _open(path: str, *, replay: bool = True) -> HiddenStateStore:
 
 
 def _summary(path: str, exact: bool) -> dict:
-    st = _open(path, replay=exact)
-    if exact:
+    st = _open(path, replay=exact or is_remote(path))
+    if exact or is_remote(path):  # an object store's segments are read whole either way
         return {**st.stats(), "exact": True}
     s = summarize(st.path / "manifests")
     return {
@@ -144,7 +153,7 @@ def gc(store: str, as_json: bool, dry_run: bool, repair: bool, shared_dirs: tupl
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s", stream=sys.stderr)
     path = Path(store)
-    if not (path / HEADER_FILE).exists() and (path / LEASE_DIR).is_dir():
+    if not is_remote(store) and not (path / HEADER_FILE).exists() and (path / LEASE_DIR).is_dir():
         out = {"removed_temp": 0, "removed_uncommitted": 0, "removed_deleted": 0, "bytes_freed": 0}
         out |= {"live_writers": 0, "dry_run": dry_run}  # killed before its first sample: leases only
     else:
@@ -152,7 +161,7 @@ def gc(store: str, as_json: bool, dry_run: bool, repair: bool, shared_dirs: tupl
             out = _open(store).gc(dry_run=dry_run, repair=repair)
         except (StoreError, OSError) as e:
             raise click.ClickException(str(e)) from None
-    if shared_dirs:
+    if shared_dirs and not is_remote(store):
         out.update(sweep_dead_leases(path, list(shared_dirs), dry_run=dry_run))
     if as_json:
         click.echo(json.dumps(out))

@@ -163,10 +163,15 @@ class ManifestReplay:
         if end < 0:
             return
         state.pos += end + 1
-        writer = name[: -len(MANIFEST_SUFFIX)]
+        self._apply_block(name, name[: -len(MANIFEST_SUFFIX)], str(path), state, data[:end], delta)
+
+    def _apply_block(
+        self, name: str, writer: str, path: str, state: _FileState, block: bytes, delta: ReplayDelta
+    ) -> None:
+        """Replay the complete lines ``block`` of manifest ``name`` (of ``writer``) from ``state``."""
         pending = state.pending
         line_no = state.line_no
-        for rec in parse_lines(data[:end]):
+        for rec in parse_lines(block):
             line_no += 1
             try:
                 if isinstance(rec, Exception):

@@ -185,55 +185,17 @@ def _write_with_zarr(group_dir: Path, name: str, data: np.ndarray) -> int:
     return tree_bytes(group_dir / name / "c")
 
 
-class ShardReader:
-    """Reads sample rows from one committed shard.
+class LocalShardFiles:
+    """The files of a shard on disk: descriptors opened once, read with ``preadv``."""
 
-    Uncompressed arrays are read with ``preadv`` straight into the result (only the sample's bytes);
-    compressed ones go through zarr, which fetches only the inner chunks that overlap.
-    """
+    remote = False
 
-    def __init__(self, root: Path, header: StoreHeader):
+    def __init__(self, root: Path):
         self.root = root
-        self.header = header
-        try:
-            attrs = json.loads((root / "zarr.json").read_bytes())["attributes"][SHARD_ATTR]
-            self.codec = attrs["codec"]
-            self.dtype = attrs["dtype"]
-        except FileNotFoundError as e:
-            raise StoreError(f"{root}: shard is missing ({e.filename})") from e
-        except (ValueError, KeyError, TypeError) as e:
-            raise StoreError(f"{root / 'zarr.json'}: not an hsgen shard ({e!r})") from e
-        if self.dtype != header.dtype:
-            raise StoreError(f"{root}: shard dtype {self.dtype!r} differs from the store's {header.dtype!r}")
-        self.attrs = attrs
         self._fds: dict[str, int] = {}
-        self._meta: dict[str, dict] = {}
-        self._index: np.ndarray | None = None
-        self._zarr: dict[str, object] = {}
-        self._rows_at: tuple[int, int] | None | bool = False  # _back_to_back(), once computed
 
-    def close(self) -> None:
-        """Close the open files."""
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
-        self._zarr.clear()
-
-    def meta(self, name: str) -> dict:
-        """The parsed zarr.json of array ``name``."""
-        if name not in self._meta:
-            path = self.root / name / "zarr.json"
-            try:
-                self._meta[name] = json.loads(path.read_bytes())
-            except FileNotFoundError as e:
-                raise StoreError(f"{path}: missing") from e
-            except ValueError as e:
-                raise StoreError(f"{path}: invalid JSON ({e})") from e
-        return self._meta[name]
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        """Shape of array ``name`` from its metadata."""
-        return tuple(self.meta(name)["shape"])
+    def read_bytes(self, rel: str) -> bytes:
+        return (self.root / rel).read_bytes()
 
     def _fd(self, rel: str) -> int:
         if rel not in self._fds:
@@ -245,14 +207,78 @@ class ShardReader:
                 os.close(fd)
         return self._fds[rel]
 
+    def read_into(self, rel: str, view: memoryview, offset: int) -> None:
+        read_exact_into(self._fd(rel), view, offset)
+
+    def size(self, rel: str) -> int:
+        return os.fstat(self._fd(rel)).st_size
+
+    def zarr_store(self):
+        from zarr.storage import LocalStore
+
+        return LocalStore(self.root, read_only=True)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+class ShardReader:
+    """Reads sample rows from one committed shard.
+
+    Uncompressed arrays are read with ``preadv`` straight into the result (only the sample's bytes);
+    compressed ones go through zarr, which fetches only the inner chunks that overlap.
+    """
+
+    def __init__(self, root: Path, header: StoreHeader, files=None):
+        """``files``: where the shard's bytes are (default: the directory ``root``); an object
+        store's (:class:`hsgen.store.remote.ObjectShardFiles`) is read with ranged GETs."""
+        self.root = root
+        self.header = header
+        self._files = files if files is not None else LocalShardFiles(root)
+        try:
+            attrs = json.loads(self._files.read_bytes("zarr.json"))["attributes"][SHARD_ATTR]
+            self.codec = attrs["codec"]
+            self.dtype = attrs["dtype"]
+        except FileNotFoundError as e:
+            raise StoreError(f"{root}: shard is missing ({e.filename})") from e
+        except (ValueError, KeyError, TypeError) as e:
+            raise StoreError(f"{root / 'zarr.json'}: not an hsgen shard ({e!r})") from e
+        if self.dtype != header.dtype:
+            raise StoreError(f"{root}: shard dtype {self.dtype!r} differs from the store's {header.dtype!r}")
+        self.attrs = attrs
+        self._meta: dict[str, dict] = {}
+        self._index: np.ndarray | None = None
+        self._zarr: dict[str, object] = {}
+        self._rows_at: tuple[int, int] | None | bool = False  # _back_to_back(), once computed
+
+    def close(self) -> None:
+        """Close the open files."""
+        self._files.close()
+        self._zarr.clear()
+
+    def meta(self, name: str) -> dict:
+        """The parsed zarr.json of array ``name``."""
+        if name not in self._meta:
+            path = self.root / name / "zarr.json"
+            try:
+                self._meta[name] = json.loads(self._files.read_bytes(f"{name}/zarr.json"))
+            except FileNotFoundError as e:
+                raise StoreError(f"{path}: missing") from e
+            except ValueError as e:
+                raise StoreError(f"{path}: invalid JSON ({e})") from e
+        return self._meta[name]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Shape of array ``name`` from its metadata."""
+        return tuple(self.meta(name)["shape"])
+
     def _zarr_array(self, name: str):
         if name not in self._zarr:
             import zarr
-            from zarr.storage import LocalStore
 
-            self._zarr[name] = zarr.open_array(
-                store=LocalStore(self.root, read_only=True), path=name, mode="r"
-            )
+            self._zarr[name] = zarr.open_array(store=self._files.zarr_store(), path=name, mode="r")
         return self._zarr[name]
 
     def _plain_fast(self, name: str) -> bool:
@@ -279,7 +305,7 @@ class ShardReader:
             out = np.empty([length, *tail], dtype=dtype)
         row = out.itemsize * int(np.prod(tail, dtype=np.int64))
         key = "/".join([name, "c"] + ["0"] * len(m["shape"]))
-        read_exact_into(self._fd(key), memoryview(out).cast("B"), offset * row)
+        self._files.read_into(key, memoryview(out).cast("B"), offset * row)
         return out
 
     def _hidden_layout(self) -> tuple[int, int] | None:
@@ -320,11 +346,10 @@ class ShardReader:
         return self._rows_at  # type: ignore[return-value]
 
     def _load_index(self, n_chunks: int, with_crc: bool) -> np.ndarray:
-        fd = self._fd("hidden_states/c/0/0/0")
-        size = os.fstat(fd).st_size
+        size = self._files.size("hidden_states/c/0/0/0")
         nbytes = 16 * n_chunks + (4 if with_crc else 0)
         buf = bytearray(nbytes)
-        read_exact_into(fd, memoryview(buf), size - nbytes)
+        self._files.read_into("hidden_states/c/0/0/0", memoryview(buf), size - nbytes)
         if with_crc:
             want = int(np.frombuffer(bytes(buf[-4:]), dtype="<u4")[0])
             if google_crc32c.value(bytes(buf[:-4])) != want:
@@ -349,12 +374,13 @@ class ShardReader:
         index = self._ensure_index(inner)
         out = np.empty([length, *m["shape"][1:]], dtype=np.dtype(m["data_type"]).newbyteorder("<"))
         view = memoryview(out).cast("B")
-        fd = self._fd("hidden_states/c/0/0/0")
         first, last = offset // inner, (offset + length - 1) // inner
         chunk = inner * row_bytes
         spans = index[first : last + 1]
         if (spans[:, 1] == chunk).all() and (np.diff(spans[:, 0].astype(np.int64)) == chunk).all():
-            read_exact_into(fd, view, int(spans[0, 0]) + (offset - first * inner) * row_bytes)
+            self._files.read_into(
+                "hidden_states/c/0/0/0", view, int(spans[0, 0]) + (offset - first * inner) * row_bytes
+            )
             return out
         for k in range(first, last + 1):
             lo, hi = max(offset, k * inner), min(offset + length, (k + 1) * inner)
@@ -365,7 +391,7 @@ class ShardReader:
             elif nbytes != chunk:
                 return np.asarray(self._zarr_array("hidden_states")[offset : offset + length])
             else:
-                read_exact_into(fd, dst, int(start) + (lo - k * inner) * row_bytes)
+                self._files.read_into("hidden_states/c/0/0/0", dst, int(start) + (lo - k * inner) * row_bytes)
         return out
 
     def read(self, offset: int, length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
@@ -441,10 +467,10 @@ class ShardReader:
                     contiguous = int(spans[0, 0]) + (offset - first * inner) * row_bytes
         if contiguous is not None:
             view = memoryview(hidden).cast("B")
-            fd = self._fd("hidden_states/c/0/0/0")
-            if stream is None:  # nothing to check: one read
-                read_exact_into(fd, view, contiguous)
-            else:
+            read = self._files.read_into
+            if stream is None or self._files.remote:  # one read (a request per piece costs a round trip)
+                read("hidden_states/c/0/0/0", view, contiguous)
+            if stream is not None:
                 step = max(
                     C.ChecksumStream.BLOCK, piece_bytes // C.ChecksumStream.BLOCK * C.ChecksumStream.BLOCK
                 )
@@ -452,7 +478,8 @@ class ShardReader:
                 update = stream.update
                 for lo in range(0, len(view), step):
                     piece = view[lo : lo + step]
-                    read_exact_into(fd, piece, contiguous + lo)
+                    if not self._files.remote:
+                        read("hidden_states/c/0/0/0", piece, contiguous + lo)
                     update(piece)  # while the piece is in cache
             extra: list[np.ndarray] = []
         else:

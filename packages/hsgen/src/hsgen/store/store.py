@@ -12,12 +12,23 @@ from pathlib import Path
 
 import numpy as np
 
+from .backend import Backend, ObjectBackend, is_remote
 from .errors import StoreError, StoreHeaderMismatch
 from .fsutil import atomic_write_exclusive, failpoint, fsync_dir
 from .header import FORMAT_VERSION, StoreHeader
 from .integrity import check_sample
 from .manifest import MANIFEST_SUFFIX, ManifestAppender, ManifestReplay, ReplayDelta, ShardInfo
 from .records import Sample, SampleRecord
+from .remote import (
+    ObjectShardFiles,
+    RemoteShardWriter,
+    SegmentReplay,
+    StoreURL,
+    delete_objects,
+    next_segment,
+    put_segment,
+    remote_gc,
+)
 from .shard import ShardReader
 from .writer import ShardWriter, default_writer_id, remove_tree
 
@@ -47,12 +58,15 @@ class HiddenStateStore:
     this object's writers are visible at once. Safe to share between threads.
     """
 
-    def __init__(self, path: Path, header: StoreHeader, *, replay: bool = True):
-        """Use :meth:`create` or :meth:`open`."""
+    def __init__(
+        self, path: Path, header: StoreHeader, *, replay: bool = True, backend: Backend | None = None
+    ):
+        """Use :meth:`create` or :meth:`open` (``backend``: the object store of an ``s3://`` store)."""
         self.path = path
         self.header = header
+        self._backend = backend
         self._lock = threading.RLock()
-        self._replay = ManifestReplay(path / "manifests")
+        self._replay = self._new_replay()
         self._index: dict[str, tuple[ShardInfo, int]] = {}
         self._duplicates = 0
         self._order: list[str] | None = None
@@ -71,6 +85,8 @@ class HiddenStateStore:
             StoreHeaderMismatch: the existing store holds data of a different meaning or codec.
             StoreError: ``path`` exists and is not a store (or is one and ``exist_ok`` is False).
         """
+        if is_remote(path):
+            return cls._create_remote(str(path), header, exist_ok=exist_ok)
         path = Path(path)
         header_file = path / HEADER_FILE
         if not header_file.exists():
@@ -95,7 +111,11 @@ class HiddenStateStore:
                 return cls.open(path)
         elif not exist_ok:
             raise StoreError(f"{path}: a store already exists there")
-        store = cls.open(path)
+        return cls._check_same(cls.open(path), header)
+
+    @classmethod
+    def _check_same(cls, store: HiddenStateStore, header: StoreHeader) -> HiddenStateStore:
+        path = store.path
         problems = store.header.compatible_with(header)
         if store.header.codec != header.codec:
             problems.append(f"codec: store has {store.header.codec!r}, got {header.codec!r}")
@@ -110,17 +130,21 @@ class HiddenStateStore:
         """Open an existing store.
 
         Args:
-            path: the store directory.
+            path: the store directory, or ``s3://bucket/prefix`` (see :mod:`hsgen.store.backend`).
             replay: read the manifests now (``False`` only checks the header; call
                 :meth:`refresh` before using samples).
 
         Raises:
             StoreError: ``path`` is not a store, or was written by a newer format version.
         """
-        path = Path(path)
+        backend = None
+        if is_remote(path):
+            backend = ObjectBackend(str(path))
+            path = StoreURL(backend.url)
+        path = Path(path) if backend is None else path
         header_file = path / HEADER_FILE
         try:
-            doc = json.loads(header_file.read_bytes())
+            doc = json.loads(header_file.read_bytes() if backend is None else backend.get(HEADER_FILE))
         except FileNotFoundError as e:
             raise StoreError(f"{path}: not an hsgen store (no {HEADER_FILE})") from e
         except (ValueError, OSError) as e:
@@ -136,7 +160,33 @@ class HiddenStateStore:
                 f"{header_file}: format version {header.format_version} is newer than this hsgen "
                 f"reads ({FORMAT_VERSION}); upgrade hsgen"
             )
-        return cls(path, header, replay=replay)
+        return cls(path, header, replay=replay, backend=backend)
+
+    @classmethod
+    def _create_remote(cls, url: str, header: StoreHeader, *, exist_ok: bool) -> HiddenStateStore:
+        backend = ObjectBackend(url)
+        try:
+            backend.get(HEADER_FILE)
+        except FileNotFoundError:
+            if any(k for k in backend.list() if not k.startswith(tuple(_OWN_ENTRIES))):
+                raise StoreError(f"{url}: not empty and not an hsgen store") from None
+            doc = {"format": STORE_FORMAT, "format_version": FORMAT_VERSION, "header": header.to_dict()}
+            backend.put(HEADER_FILE, json.dumps(doc, indent=2).encode() + b"\n")
+            log.info("created store %s", url)
+            return cls.open(url)
+        if not exist_ok:
+            raise StoreError(f"{url}: a store already exists there")
+        return cls._check_same(cls.open(url), header)
+
+    def _new_replay(self) -> ManifestReplay:
+        if self._backend is not None:
+            return SegmentReplay(self._backend)
+        return ManifestReplay(self.path / "manifests")
+
+    def _shard_reader(self, shard: str) -> ShardReader:
+        """A reader of committed shard ``shard`` (its objects, on an object store)."""
+        files = ObjectShardFiles(self._backend, shard) if self._backend is not None else None
+        return ShardReader(self.path / shard, self.header, files)
 
     # ------------------------------------------------------------------ index
 
@@ -217,7 +267,7 @@ class HiddenStateStore:
         with self._lock:
             entry = self._readers.get(shard)
             if entry is None:
-                entry = _Reader(ShardReader(self.path / shard, self.header))
+                entry = _Reader(self._shard_reader(shard))
                 self._readers[shard] = entry
                 while len(self._readers) > _MAX_OPEN_SHARDS:
                     _, old = self._readers.popitem(last=False)
@@ -330,6 +380,8 @@ class HiddenStateStore:
 
     def writer(self, writer_id: str | None = None, *, shard_bytes: int = 32 << 20, **kwargs) -> ShardWriter:
         """A new :class:`ShardWriter` (``kwargs``: ``chunk_bytes``, ``fsync``)."""
+        if self._backend is not None:
+            return RemoteShardWriter(self, writer_id, shard_bytes=shard_bytes, **kwargs)
         return ShardWriter(self, writer_id, shard_bytes=shard_bytes, **kwargs)
 
     def delete_shard(self, shard: str) -> None:
@@ -342,7 +394,13 @@ class HiddenStateStore:
             self.refresh()
             if shard not in self._replay.shards:
                 raise KeyError(f"shard {shard!r} was never committed to store {self.path}")
-            if shard not in self._replay.deleted:
+            if shard not in self._replay.deleted and self._backend is not None:
+                ops = f"delete-{default_writer_id()}"
+                put_segment(
+                    self._backend, ops, next_segment(self._backend, ops), [{"op": "delete", "shard": shard}]
+                )
+                self.refresh()
+            elif shard not in self._replay.deleted:
                 if self._ops is None:
                     ops_id = f"delete-{default_writer_id()}"
                     self._ops = ManifestAppender(self.path / "manifests" / f"{ops_id}{MANIFEST_SUFFIX}")
@@ -354,7 +412,10 @@ class HiddenStateStore:
                 entry.evicted = True
                 if entry.users == 0:
                     entry.reader.close()
-        remove_tree(self.path / shard)
+        if self._backend is not None:
+            delete_objects(self._backend, shard)
+        else:
+            remove_tree(self.path / shard)
 
     # ------------------------------------------------------------------ maintenance
 
@@ -413,6 +474,8 @@ class HiddenStateStore:
         """
         from . import maintenance
 
+        if self._backend is not None:
+            return {**remote_gc(self, dry_run=dry_run, min_age_s=min_age_s), "dry_run": dry_run}
         self.refresh()
         out: dict = {}
         if repair:
@@ -432,7 +495,7 @@ class HiddenStateStore:
     def _reload(self) -> None:
         """Forget what was replayed and read every manifest again (after one was rewritten)."""
         with self._lock:
-            self._replay = ManifestReplay(self.path / "manifests")
+            self._replay = self._new_replay()
             self._replay.refresh()
             self._rebuild()
 

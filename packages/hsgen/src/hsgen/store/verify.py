@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -29,7 +28,7 @@ def verify_store(store: HiddenStateStore, *, progress: bool = False) -> list[str
     )
     for info in live:
         try:
-            reader = ShardReader(store.path / info.name, store.header)
+            reader = store._shard_reader(info.name)
         except StoreError as e:
             problems.append(str(e))
             bar.update(info.tokens)
@@ -80,7 +79,7 @@ def _verify_shard(store: HiddenStateStore, info: ShardInfo, reader: ShardReader,
             inner, row_bytes = layout
             n_chunks = -(-info.tokens // inner)
             want = n_chunks * inner * row_bytes + 16 * n_chunks + 4
-            got = os.stat(where / "hidden_states/c/0/0/0").st_size
+            got = reader._files.size("hidden_states/c/0/0/0")
             if got != want:
                 problems.append(f"{where}/hidden_states/c/0/0/0: {got} bytes, expected {want}")
                 bar.update(info.tokens)

@@ -19,7 +19,7 @@ from .fsutil import fsync_dir
 from .header import LOGICAL_DTYPES
 from .manifest import MANIFEST_SUFFIX, ManifestAppender
 from .records import SampleRecord
-from .shard import PendingSample, write_shard
+from .shard import PendingSample, WrittenShard, write_shard
 
 if TYPE_CHECKING:
     from .store import HiddenStateStore
@@ -116,7 +116,7 @@ class ShardWriter:
         self.chunk_bytes = chunk_bytes
         self.fsync = fsync
         self.header = store.header
-        self._manifest = ManifestAppender(store.path / "manifests" / f"{writer_id}{MANIFEST_SUFFIX}")
+        self._manifest: ManifestAppender | None = None
         self._pending: list[PendingSample] = []
         self._pending_ids: set[str] = set()
         self._pending_bytes = 0
@@ -126,17 +126,47 @@ class ShardWriter:
         self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"hsgen-commit-{writer_id}")
         self._inflight: tuple[Future, list[PendingSample]] | None = None
         try:
-            self._dir = store.path / "shards" / writer_id
-            if not self._dir.exists():
-                self._dir.mkdir(parents=True)
-                fsync_dir(self._dir.parent)
-            self._seq = self._recover()
+            self._seq = self._open()
         except BaseException:
             self._pool.shutdown()
             self._io_pool.shutdown()
             self._committer.shutdown()
-            self._manifest.close()
+            self._close_target()
             raise
+
+    def _open(self) -> int:
+        """Take the writer's manifest and shard directory; return the next shard sequence number."""
+        self._manifest = ManifestAppender(
+            self.store.path / "manifests" / f"{self.writer_id}{MANIFEST_SUFFIX}"
+        )
+        self._dir = self.store.path / "shards" / self.writer_id
+        if not self._dir.exists():
+            self._dir.mkdir(parents=True)
+            fsync_dir(self._dir.parent)
+        return self._recover()
+
+    def _close_target(self) -> None:
+        if self._manifest is not None:
+            self._manifest.close()
+
+    def _write(self, name: str, batch: list[PendingSample]) -> WrittenShard:
+        """Write shard ``name`` of this writer, complete (temp directory renamed into place)."""
+        return write_shard(
+            self._dir / name,
+            self._dir / f"{name}.tmp-{secrets.token_hex(4)}",
+            self.header,
+            self.header.codec,
+            batch,
+            chunk_bytes=self.chunk_bytes,
+            pool=self._pool,
+            io_pool=self._io_pool,
+            fsync=self.fsync,
+        )
+
+    def _append(self, lines: list[dict]) -> None:
+        """Make the shard's manifest records durable."""
+        assert self._manifest is not None
+        self._manifest.append(lines, fsync=self.fsync)
 
     def _recover(self) -> int:
         """Remove this writer's leftovers of a crash; return the next shard sequence number."""
@@ -247,18 +277,7 @@ class ShardWriter:
         """Write ``batch`` as shard ``seq``, then append and fsync its manifest records."""
         name = f"{seq:08d}.zarr"
         rel = f"shards/{self.writer_id}/{name}"
-        tmp = self._dir / f"{name}.tmp-{secrets.token_hex(4)}"
-        written = write_shard(
-            self._dir / name,
-            tmp,
-            self.header,
-            self.header.codec,
-            batch,
-            chunk_bytes=self.chunk_bytes,
-            pool=self._pool,
-            io_pool=self._io_pool,
-            fsync=self.fsync,
-        )
+        written = self._write(name, batch)
         lines: list[dict] = [
             {"op": "add", "id": sid, "shard": rel, "offset": off, "length": n, "checksum": crc}
             for sid, off, n, crc in written.rows
@@ -273,7 +292,7 @@ class ShardWriter:
                 "codec": self.header.codec,
             }
         )
-        self._manifest.append(lines, fsync=self.fsync)
+        self._append(lines)
         self.store.refresh()
         return [SampleRecord(sid, rel, off, n, crc) for sid, off, n, crc in written.rows]
 
@@ -322,7 +341,7 @@ class ShardWriter:
             self._committer.shutdown()
             self._pool.shutdown()
             self._io_pool.shutdown()
-            self._manifest.close()
+            self._close_target()
 
     def __enter__(self) -> ShardWriter:
         return self

@@ -44,6 +44,7 @@ def eager_vocab_loss(
     mode: str = "hard",
     *,
     targets=None,
+    target_softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Every vocabulary-sized computation of a training step: the draft's head, the verifier's
     head and the per-row loss between them (the eager reference of
@@ -58,6 +59,8 @@ def eager_vocab_loss(
             against the verifier's argmax over the ``V`` rows.
         targets: the verifier's side computed beforehand
             (:class:`~spectrain.models.vocab_loss.VerifierTargets`), in place of the two above.
+        target_softcap: the verifier's ``final_logit_softcapping`` on the logits formed here
+            (``cap * tanh(logits / cap)``; None: none).
 
     Returns:
         ``(loss [N] float32, draft argmax [N], verifier argmax [N])``; argmaxes index the ``V``
@@ -78,6 +81,8 @@ def eager_vocab_loss(
         with torch.no_grad():
             th = target_hidden if autocast else target_hidden.to(target_head_weight.dtype)
             target = F.linear(th, target_head_weight)
+            if target_softcap:
+                target = torch.tanh(target / target_softcap) * target_softcap
         target_ids = target.argmax(-1)
     if mode == "soft":
         p = F.softmax(target.to(acc), dim=-1)

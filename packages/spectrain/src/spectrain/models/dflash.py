@@ -31,7 +31,15 @@ from spectrain.models.common import (
     draft_to_target_ids,
     loss_decay_weights,
 )
-from spectrain.models.layers import MLP, MaskSpec, PreparedMask, RMSNorm, apply_rope, rope_cos_sin
+from spectrain.models.layers import (
+    MLP,
+    MaskSpec,
+    PreparedMask,
+    RMSNorm,
+    apply_rope,
+    context_bucket,
+    rope_cos_sin,
+)
 from spectrain.models.registry import DraftConfig, DraftContext, DraftModel, register
 from spectrain.models.vocab_loss import vocab_loss
 from spectrain.verifier import VerifierHeads
@@ -395,6 +403,9 @@ class DFlashDraft(DraftModel):
 
         Returns:
             ``num_tokens`` greedy proposals (verifier vocabulary ids) for positions ``T+1...``.
+
+        With FlexAttention the context is padded to :func:`~spectrain.models.layers.context_bucket`
+        slots (masked out), so a decode loop reuses one compiled kernel per bucket.
         """
         B = self.cfg.block_size
         n = B - 1 if num_tokens is None else num_tokens
@@ -412,10 +423,17 @@ class DFlashDraft(DraftModel):
             )
         ctx = self.context_features(aux)
         doc = torch.zeros(T, dtype=torch.int64, device=device)
+        ctx_pos = torch.arange(T, device=device)
+        backend = self.backend(device)
+        if backend == "flex":  # padded slots: outside the document, so no query sees them
+            pad = context_bucket(T) - T
+            ctx = torch.nn.functional.pad(ctx, (0, 0, 0, pad))
+            doc = torch.nn.functional.pad(doc, (0, pad), value=-1)
+            ctx_pos = torch.nn.functional.pad(ctx_pos, (0, pad))
         anchor = torch.tensor([T], device=device)
         spec = self._mask(doc, anchor, torch.zeros(1, dtype=torch.int64, device=device))
-        mask = PreparedMask(spec, self.backend(device))
-        out = self._run_blocks(ctx, torch.arange(T, device=device), tokens[-1:], anchor, mask, device)
+        mask = PreparedMask(spec, backend)
+        out = self._run_blocks(ctx, ctx_pos, tokens[-1:], anchor, mask, device)
         draft_ids = self._draft_ids()
         h = out[0, 1 : n + 1]
         pred = torch.nn.functional.linear(h, self._head_rows().to(h.dtype)).argmax(-1)

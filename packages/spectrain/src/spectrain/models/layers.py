@@ -119,7 +119,7 @@ def attend(
         if block_mask is None:
             block_mask = block_mask_for(spec)
         # inside a compiled region flex_attention is traced as is; eager CUDA calls a compiled one
-        fn = _compiled_flex() if q.is_cuda and not torch.compiler.is_compiling() else _eager_flex()
+        fn = _compiled_flex() if compiled_flex_for(q) else _eager_flex()
         out = fn(q[None], k[None], v[None], block_mask=block_mask, enable_gqa=q.shape[0] != k.shape[0])
         return out[0]
     if backend != "sdpa":
@@ -128,6 +128,21 @@ def attend(
     return F.scaled_dot_product_attention(
         q[None], k[None], v[None], attn_mask=mask, enable_gqa=q.shape[0] != k.shape[0]
     )[0]
+
+
+def compiled_flex_for(q: torch.Tensor) -> bool:
+    """Whether eager code calls the compiled FlexAttention for ``q`` (CUDA, outside a compiled region)."""
+    return q.is_cuda and not torch.compiler.is_compiling()
+
+
+def context_bucket(n: int, smallest: int = 128) -> int:
+    """The padded length of a ``n``-slot context: the next power of two from ``smallest`` on.
+
+    Compiled FlexAttention is specialised to its key length, so a decode loop whose context grows
+    by a few tokens a step would compile once per step; padded to these buckets it compiles once
+    per doubling (7 shapes up to 8,192 tokens, inside dynamo's default cache of 8 per function).
+    """
+    return max(smallest, 1 << max(0, n - 1).bit_length())
 
 
 def _eager_flex():

@@ -37,15 +37,26 @@ import torch.nn.functional as F
 MODES = ("soft", "hard")
 
 CHUNK_BYTES = 256 * 2**20
-"""Default size of one fp32 ``[chunk_rows, V]`` tensor (the chunk's peak is about three)."""
+"""Default size of one fp32 ``[chunk_rows, V]`` tensor (the chunk's peak is about three) off CUDA."""
+
+CUDA_CHUNK_ROWS = 2560
+"""Rows per chunk on CUDA (at least; a multiple of 128). The chunk's gradient GEMM ``[rows, V] x
+[V, H]`` has ``rows / 128 x H / 128`` output tiles: at H 4096, 2560 rows are 640 tiles, 4.85 waves
+of an H200's 132 SMs (97% of the last wave used), where the 384 rows of the 256 MiB budget at
+V 151,936 were 96 tiles, under one wave. DFlash's 7,680 rows at the reference shape are then
+three chunks. Memory: three fp32 ``[2560, 151936]`` temporaries, 4.3 GiB, against 0.8 GiB
+(docs/decisions.md: DFlash's planned peak stays under its 30 GiB target)."""
 
 KEEP_BYTES = 2**30
 """A trainable head keeps its ``[N, V]`` logit gradients (matmul dtype) up to this size, else recomputes."""
 
 
-def default_chunk_rows(vocab: int, budget_bytes: int = CHUNK_BYTES) -> int:
-    """Rows per chunk so one fp32 ``[rows, vocab]`` tensor fits ``budget_bytes`` (a multiple of 64, >= 64)."""
-    return max(64, budget_bytes // (4 * max(1, vocab)) // 64 * 64)
+def default_chunk_rows(vocab: int, budget_bytes: int | None = None, device_type: str = "cpu") -> int:
+    """Rows per chunk: on CUDA at least :data:`CUDA_CHUNK_ROWS` (so its GEMMs fill the GPU), else so
+    one fp32 ``[rows, vocab]`` tensor fits ``budget_bytes`` (default :data:`CHUNK_BYTES`; a
+    multiple of 64, >= 64)."""
+    rows = max(64, (CHUNK_BYTES if budget_bytes is None else budget_bytes) // (4 * max(1, vocab)) // 64 * 64)
+    return max(rows, CUDA_CHUNK_ROWS) if device_type == "cuda" else rows
 
 
 @dataclasses.dataclass
@@ -87,7 +98,7 @@ def verifier_targets(
         if torch.is_autocast_enabled(device_type)
         else target_head_weight.dtype
     )
-    rows = chunk_rows or default_chunk_rows(target_head_weight.shape[0])
+    rows = chunk_rows or default_chunk_rows(target_head_weight.shape[0], device_type=device_type)
     with torch.autocast(device_type, enabled=False):
         tw = target_head_weight.to(td)
         if mode == "soft":
@@ -130,7 +141,7 @@ def vocab_loss(
         mode: ``soft`` (KL(verifier || draft)) or ``hard`` (cross-entropy on the verifier's argmax).
         targets: the verifier's side computed beforehand (:func:`verifier_targets`), in place of
             ``target_hidden`` and ``target_head_weight``.
-        chunk_rows: rows per chunk (default :func:`default_chunk_rows` of ``V``).
+        chunk_rows: rows per chunk (default :func:`default_chunk_rows` of ``V`` on this device).
         keep_logit_grads: trainable head only: keep the ``[N, V]`` logit gradients from forward
             (True) or recompute them in backward (False); None: keep when they fit ``KEEP_BYTES``.
         target_softcap: the verifier's ``final_logit_softcapping`` applied to its logits formed
@@ -161,7 +172,7 @@ def vocab_loss(
         target_hidden = target_head_weight = None
     if head_weight.shape[1] != hidden.shape[1]:
         raise ValueError(f"head_weight is [V, {head_weight.shape[1]}], hidden is [N, {hidden.shape[1]}]")
-    rows = chunk_rows or default_chunk_rows(head_weight.shape[0])
+    rows = chunk_rows or default_chunk_rows(head_weight.shape[0], device_type=hidden.device.type)
     if rows < 1:
         raise ValueError(f"chunk_rows must be >= 1, got {rows}")
     plan = _Plan.of(hidden, target_head_weight, soft, rows)

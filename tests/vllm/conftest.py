@@ -1,0 +1,93 @@
+"""The real-vLLM tier: fixtures that start vLLM (the CPU build, its own venv) once per session.
+
+Selected with ``python -m pytest -m vllm`` (tests/conftest.py leaves these tests out otherwise).
+Without a vLLM venv they skip, except under ``CI=true``, where a missing or broken tier fails.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from _tier_util import LAYERS
+
+from hsgen.vllm_server import VllmNotInstalled, extraction_args, start_server, vllm_python
+
+STARTUP_TIMEOUT_S = float(os.environ.get("VLLM_STARTUP_TIMEOUT_S", "900"))
+"""Bounded wait for ``/health`` (45-105 s on 2 free cores; much longer on a loaded machine)."""
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+@pytest.fixture(scope="session")
+def vllm_py() -> Path:
+    """The vLLM venv's interpreter; skip without one (fail in CI)."""
+    try:
+        python = vllm_python()
+    except VllmNotInstalled as e:
+        if _in_ci():
+            pytest.fail(f"CI=true but the vLLM tier is not installed: {e}")
+        pytest.skip(str(e))
+    return python
+
+
+@pytest.fixture(scope="session")
+def vllm_model_dir() -> Path:
+    """The tiny verifier vLLM serves here (head_dim 32), built once and cached like hsgen's own."""
+    from hsgen.tiny import VLLM_SPEC, ensure_tiny_model
+
+    return ensure_tiny_model(spec=VLLM_SPEC)
+
+
+@pytest.fixture(scope="session")
+def shared_root():
+    """A tmpfs directory when there is one (as users run online training), removed at the end."""
+    import tempfile
+
+    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+    root = Path(tempfile.mkdtemp(prefix="hsgen-vllm-tier-", dir=base))
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def vllm_extract(vllm_py, vllm_model_dir, shared_root, tmp_path_factory):
+    """One extraction server for the session: ``(server, shared_dir)``.
+
+    ``HSGEN_VLLM_EXTRACT_URL`` + ``HSGEN_VLLM_EXTRACT_SHARED``: use a server already running
+    (started with ``hsgen.vllm_server.extraction_args(LAYERS, shared)``; for iterating on the tests).
+    """
+    if os.environ.get("HSGEN_VLLM_EXTRACT_URL"):
+        yield _Running(os.environ["HSGEN_VLLM_EXTRACT_URL"]), Path(os.environ["HSGEN_VLLM_EXTRACT_SHARED"])
+        return
+    shared = shared_root / "vllm"
+    shared.mkdir()
+    log = tmp_path_factory.mktemp("vllm-logs") / "extract.log"
+    server = start_server(vllm_model_dir, extraction_args(LAYERS, shared), python=vllm_py, log_path=log,
+                          startup_timeout_s=STARTUP_TIMEOUT_S)  # fmt: skip
+    try:
+        yield server, shared
+    finally:
+        server.stop()
+
+
+class _Running:
+    """A server this session did not start (``HSGEN_VLLM_EXTRACT_URL``): never stopped here."""
+
+    def __init__(self, url: str):
+        self.url = url
+
+    def alive(self) -> bool:
+        import urllib.request
+
+        try:
+            return urllib.request.urlopen(f"{self.url}/health", timeout=10).status == 200
+        except OSError:
+            return False
+
+    def log_tail(self) -> str:
+        return "(not started by this session)"
