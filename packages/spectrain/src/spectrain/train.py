@@ -336,6 +336,9 @@ class Trainer:
         )
         if refused:
             summary["samples_refused"] = refused  # failed their check as read: skipped (warnings name them)
+        hidden = getattr(self.source, "samples_hidden", None)
+        if callable(hidden) and (n_hidden := hidden()):
+            summary["samples_hidden"] = n_hidden  # damaged manifest lines (warned at open): never planned
         stats = getattr(self.source, "stats", None)
         if callable(stats):  # online: samples generated, read, failed (see the failures file)
             summary["data"] = stats()
