@@ -34,7 +34,9 @@ def main() -> int:
     ap.add_argument("--only", nargs="*", help="benchmark names (e.g. bench_store); default all")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds each benchmark may take")
     args = ap.parse_args()
-    scripts = sorted(p for p in HERE.glob("bench_*.py") if p.name != Path(__file__).name)
+    scripts = sorted(  # a helper module of another benchmark (no __main__) is not one itself
+        p for p in HERE.glob("bench_*.py") if p.name != Path(__file__).name and "__main__" in p.read_text()
+    )
     if args.only:
         scripts = [p for p in scripts if p.stem in set(args.only)]
     seconds: dict[str, float] = {}

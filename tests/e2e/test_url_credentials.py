@@ -48,6 +48,12 @@ def test_generate_refuses_credentials_and_writes_none(tmp_path, sample_chats_pat
     assert not store.exists() or KEY.encode() not in _all_bytes(store)
 
 
+def test_render_server_refuses_credentials(tmp_path, sample_chats_path):
+    url = f"http://user:{KEY}@127.0.0.1:{free_port()}"
+    r = run("render", sample_chats_path, "--server", url, "--model", "m", "--output", tmp_path / "out.jsonl")
+    _refused(r)
+
+
 def test_spectrain_online_refuses_credentials_and_writes_none(tmp_path, sample_chats_path, tiny_model_dir):
     url = f"http://user:{KEY}@127.0.0.1:{free_port()}"
     save = tmp_path / "run"

@@ -76,3 +76,38 @@ def test_nan_everywhere_stops_after_the_limit_without_saving(tiny_store, tiny_mo
         train(small_config(store.path, tiny_model_dir, tmp_path / "run", max_nonfinite_steps=3))
     assert type(ei.value).__name__ == "NonFiniteTraining"
     assert not list((tmp_path / "run").glob("checkpoint-*"))
+
+
+@pytest.mark.timeout(900)
+def test_a_run_that_refused_samples_exits_non_zero_unless_the_loss_is_accepted(
+    tiny_store, tiny_model_dir, tmp_path
+):
+    """Issue 21, hole 6: training that refused samples exited 0; it exits 3 now, with one line,
+    unless ``--accept-refused N`` bounds the loss (the summary says how many were accepted)."""
+    import subprocess
+    import sys
+
+    store = tmp_path / "store"
+    shutil.copytree(tiny_store, store)
+    st = HiddenStateStore.open(store)
+    for victim in st.sample_ids()[3:5]:  # a flipped byte in each: their checksums fail as read
+        rec = st.record(victim)
+        data = store / rec.shard / "hidden_states" / "c" / "0" / "0" / "0"
+        raw = bytearray(data.read_bytes())
+        raw[rec.offset * st.header.row_bytes] ^= 0x01
+        data.write_bytes(bytes(raw))
+    base = [sys.executable, "-m", "spectrain.cli", "train", "--store", str(store), "--verifier", str(tiny_model_dir),
+            "--block-size", "4", "--num-layers", "1", "--max-anchors", "16", "--total-seq-len", "256",
+            "--val-fraction", "0", "--epochs", "1", "--device", "cpu"]  # fmt: skip
+    for accept, code in ((None, 3), ("2", 0)):
+        extra = ["--accept-refused", accept] if accept else []
+        save = tmp_path / f"run-{accept}"
+        r = subprocess.run(
+            [*base, "--save-path", str(save), *extra], capture_output=True, text=True, timeout=600
+        )
+        assert r.returncode == code, r.stderr[-2000:]
+        summary = json.loads(r.stdout.strip().splitlines()[-1])
+        assert summary["samples_refused"] == 2 and summary["refused_accepted"] == int(accept or 0)
+        if code:
+            last = r.stderr.strip().splitlines()[-1]
+            assert "2 samples were refused" in last and "--accept-refused 2" in last, r.stderr[-2000:]

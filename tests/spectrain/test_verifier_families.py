@@ -24,11 +24,9 @@ IDS = torch.tensor([[1, 5, 9, 300, 7, 2, 44, 45, 46, 47, 48, 100]])
 
 def _model_logits(path, dtype):
     """The model's own logits and its last decoder layer's output for ``IDS``."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from hsgen.serve.hidden import load_causal_lm
 
-    arch = AutoConfig.from_pretrained(path).architectures[0]
-    auto = AutoModelForImageTextToText if arch.endswith("ForConditionalGeneration") else AutoModelForCausalLM
-    model = auto.from_pretrained(str(path), dtype=dtype).eval()
+    model = load_causal_lm(path, dtype).eval()
     captured = {}
     model.get_decoder().layers[-1].register_forward_hook(
         lambda m, i, o: captured.__setitem__("h", o[0] if isinstance(o, tuple) else o)
@@ -156,13 +154,11 @@ def test_the_draft_sees_the_embedding_vllm_feeds_it(family_model, name):
     passes ``inputs_embeds=None``) and ``vllm/model_executor/models/llama_eagle3.py``
     ``LlamaModel.embed_input_ids`` (Eagle3).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from hsgen.serve.hidden import load_causal_lm
 
     path = family_model(name)
     heads = VerifierHeads.load(path)
-    arch = AutoConfig.from_pretrained(path).architectures[0]
-    auto = AutoModelForImageTextToText if arch.endswith("ForConditionalGeneration") else AutoModelForCausalLM
-    model = auto.from_pretrained(str(path), dtype=torch.float32).eval()
+    model = load_causal_lm(path, torch.float32).eval()
     table = model.get_input_embeddings().weight
     ids = IDS[0]
     assert torch.equal(heads.embed(ids), table[ids])

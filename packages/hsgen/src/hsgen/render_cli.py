@@ -70,6 +70,13 @@ def render(
 
     setup_logging(log_level)
     inputs = dataset_inputs(inputs, split, max_samples, streaming)
+    if server:
+        from hsgen.protocol import check_no_credentials
+
+        try:
+            check_no_credentials(server, "--server")
+        except ValueError as e:
+            raise click.UsageError(str(e)) from None
     if server and (tokenizer or chat_template):
         raise click.UsageError(
             "--server renders with the server's tokenizer and template: drop --tokenizer/--chat-template"

@@ -193,7 +193,8 @@ TRAIN_SECTIONS: dict[str, tuple[str, ...]] = {
     "Online data (vLLM)": ("online", "endpoint", "prompts", "split", "max_samples", "streaming", "layer_ids",
                            "chat_template", "template_kwargs", "shared_dir", "scratch_dir", "scratch_bytes",
                            "delete_consumed", "cache_generated", "delete_cached", "max_down", "online_option"),
-    "Data loading": ("num_workers", "prefetch", "read_threads", "verify_samples", "vocab_scan_samples"),
+    "Data loading": ("num_workers", "prefetch", "read_threads", "verify_samples", "vocab_scan_samples",
+                     "accept_refused"),
     "Hardware": ("device", "precision", "distributed", "compile"),
     "Logging": ("log_every", "tensorboard", "report_to", "log_level", "progress"),
 }  # fmt: skip
@@ -464,6 +465,14 @@ TRAIN_SECTIONS: dict[str, tuple[str, ...]] = {
     "--delete-cached", is_flag=True, default=False, help="Online: also delete consumed shards of --store."
 )
 @click.option(
+    "--accept-refused",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Samples that may be refused as read (a checksum or value check failed; trained on nothing) "
+    "and still exit 0; more exit 3, the summary says how many.",
+)
+@click.option(
     "--max-down",
     type=click.FloatRange(min=0.0),
     default=None,
@@ -509,10 +518,20 @@ def train(**params: Any) -> None:
         if cause is None:
             raise
         raise click.ClickException(cause) from None
+    refused = int(summary.get("samples_refused") or 0)
+    summary["refused_accepted"] = params.get("accept_refused") or 0
     if os.environ.get("RANK", "0") == "0":  # one summary line under torchrun, not one per rank
         click.echo(json.dumps(redact_secrets(summary), default=str))
+    if refused > summary["refused_accepted"]:  # lost data: a run that lost data exits non-zero
+        click.echo(f"Error: {refused} samples were refused as read and trained on nothing (the warnings above "
+                   f"name them); --accept-refused {refused} accepts that loss", err=True)  # fmt: skip
+        sys.exit(EXIT_LOST_DATA)
     if summary.get("stopped_by"):  # a checkpoint was saved; 128 + the signal, as a shell reports it
         sys.exit(128 + int(getattr(signal.Signals, summary["stopped_by"])))
+
+
+EXIT_LOST_DATA = 3
+"""Exit status of a run that trained but lost samples (as ``hsgen generate``'s partial run)."""
 
 
 def _user_cause(e: BaseException) -> str | None:
