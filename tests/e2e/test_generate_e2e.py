@@ -203,3 +203,35 @@ def test_kill_9_leaves_no_server_file_of_that_client(tmp_path, chats, tiny_model
     assert sorted(os.listdir(shared)) == sorted(planted)
     store = HiddenStateStore.open(store_path)
     assert len(store) == 120 and store.verify() == []
+
+
+def test_generate_targets_argmax_stores_the_verifiers_greedy_tokens(tmp_path, chats, tiny_model_dir):
+    """``--targets argmax``: the server captures the draft's input layers only; the store keeps the
+    verifier's greedy next token per position, equal to transformers' own argmax of the logits."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    shared = tmp_path / "shm"
+    data = chats(8)
+    aux = [1, 2]
+    with running_server("tiny", aux, shared, dtype="float32") as url:
+        args = [sys.executable, "-m", "hsgen.cli", "generate", str(data), "--store", str(tmp_path / "st"),
+                "--endpoint", url, "--shared-dir", str(shared), "--layer-ids", "1,2", "--targets", "argmax",
+                "--tokenizer", str(tiny_model_dir), "--max-len", "256", "--no-progress", "--log-level", "WARNING"]  # fmt: skip
+        r = subprocess.run(args, capture_output=True, text=True, timeout=240)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert json.loads(r.stdout.strip().splitlines()[-1])["stored"] == 8
+        states = [("states" if a == "argmax" else a) for a in args]
+        again = subprocess.run(states, capture_output=True, text=True, timeout=240)
+        assert again.returncode == 2 and "keeps targets 'argmax'" in again.stderr
+    store = HiddenStateStore.open(tmp_path / "st")
+    assert store.header.targets == "argmax" and store.header.format_version == 3
+    assert list(store.header.layer_ids) == aux and store.verify() == []
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+    for sid in store.sample_ids():
+        s = store.read(sid)
+        assert s.hidden_states.shape[1] == 2
+        with torch.no_grad():
+            logits = model(torch.from_numpy(s.token_ids)[None]).logits[0]
+        assert s.target_ids.tolist() == logits.argmax(-1).tolist()
+    assert os.listdir(shared) == []

@@ -48,10 +48,14 @@ from hsgen.hidden_file import (
     read_hidden_states_file,
     remove_misplaced,
 )
+from hsgen.prompt_logprobs import parse_target_ids
 from hsgen.render import RenderedPrompt
 from hsgen.shared_dir import SharedDir, UnsafePath
 
 log = logging.getLogger(__name__)
+
+PROMPT_LOGPROBS = 1
+"""Top-k asked for with ``targets = "argmax"``: the top token is all the hard targets need."""
 
 
 class HiddenStateClient:
@@ -420,6 +424,7 @@ class HiddenStateClient:
                     transient=False,
                     endpoint=url,
                 )
+            targets = self._targets(result, url)
             hidden, _tokens, dtype = await self._files.wait_and_read(parts, prompt, url)
         except UnsafePath as e:
             log.warning("refusing %s: %s", path, e)
@@ -434,7 +439,23 @@ class HiddenStateClient:
             loss_mask=np.asarray(prompt.loss_mask, dtype=np.uint8),
             dtype=dtype,
             endpoint=url,
+            target_ids=targets,
         )
+
+    def _targets(self, result: protocol.ExtractionResult, url: str) -> np.ndarray | None:
+        """The verifier's greedy targets of a response (``targets = "argmax"``), checked."""
+        if self.config.targets != "argmax":
+            return None
+        if result.prompt_logprobs is None:
+            raise FatalError(
+                "no_prompt_logprobs",
+                f"{url} ignored prompt_logprobs: --targets argmax needs a server that returns them (vLLM does)",
+                url,
+            )
+        try:
+            return np.asarray(parse_target_ids(result, PROMPT_LOGPROBS), dtype=np.int32)
+        except protocol.ProtocolError as e:
+            raise FetchError("bad_targets", f"{url}: {e}", transient=False, endpoint=url) from None
 
     async def _send(self, url: str, body: str, request_id: str) -> tuple[bytes, int]:
         async with self.session.post(
@@ -469,7 +490,10 @@ class HiddenStateClient:
         import aiohttp
 
         body = protocol.completion_request(
-            model, prompt.token_ids, include_output_tokens=self.config.include_output_tokens
+            model,
+            prompt.token_ids,
+            include_output_tokens=self.config.include_output_tokens,
+            prompt_logprobs=PROMPT_LOGPROBS if self.config.targets == "argmax" else None,
         )
         try:
             raw, status = await self._answered_or_down(url, self._send(url, json.dumps(body), request_id))

@@ -26,6 +26,9 @@ class ClientConfig:
         api_key: sent as ``Authorization: Bearer``; None = no header.
         model: model id to request; None = ask each server's ``GET /v1/models``.
         include_output_tokens: ask vLLM >= 0.24 to include generated tokens (they are dropped).
+        targets: ``"states"`` (the file's last layer feeds the targets) or ``"argmax"`` (also ask
+            for ``prompt_logprobs`` and return the verifier's greedy next token per position as
+            :attr:`FetchedSample.target_ids`; the servers need not capture the final layer).
         request_timeout_s: limit for one HTTP request, queueing on the server included.
         connect_timeout_s: limit for opening a connection.
         file_wait_s: how long the file or its lock may take to appear after the response.
@@ -64,6 +67,7 @@ class ClientConfig:
     api_key: str | None = field(default=None, repr=False)
     model: str | None = None
     include_output_tokens: bool = False
+    targets: str = "states"
     request_timeout_s: float = 600.0
     connect_timeout_s: float = 10.0
     file_wait_s: float = 60.0
@@ -101,6 +105,8 @@ class ClientConfig:
             raise ValueError("breaker_threshold must be >= 1")
         if self.max_down_s < 0:
             raise ValueError("max_down_s must be >= 0")
+        if self.targets not in ("states", "argmax"):
+            raise ValueError(f"targets must be 'states' or 'argmax', got {self.targets!r}")
         protocol.check_request_id(self.request_prefix)
 
 
@@ -137,6 +143,8 @@ class FetchedSample:
         endpoint: the server that produced it.
         latency_s: seconds from sending the request to the validated arrays.
         attempts: requests it took (1 = first try).
+        target_ids: ``[T]`` int32, the verifier's greedy next token after each position (only
+            with ``ClientConfig.targets = "argmax"``).
     """
 
     sample_id: str
@@ -147,6 +155,7 @@ class FetchedSample:
     endpoint: str = ""
     latency_s: float = 0.0
     attempts: int = 1
+    target_ids: np.ndarray | None = None
 
     @property
     def nbytes(self) -> int:

@@ -40,6 +40,7 @@ def generate(
     layer_ids,
     verifier,
     codec,
+    targets,
     tokenizer,
     revision,
     chat_template,
@@ -117,6 +118,11 @@ def generate(
     store = _open_store(store_path, ids, renderer.fingerprint)
     if store is None and ids is None:
         raise click.UsageError(f"{store_path} is not a store yet: --layer-ids is needed to create it")
+    if store is not None and targets not in (None, store.header.targets):
+        raise click.BadParameter(
+            f"{store_path} keeps targets {store.header.targets!r}: use another store", param_hint="--targets"
+        )
+    targets = store.header.targets if store is not None else (targets or "states")
     try:
         client_cfg = ClientConfig(
             endpoints=list(endpoints),
@@ -124,6 +130,7 @@ def generate(
             api_key=api_key or None,
             model=model,
             include_output_tokens=include_output_tokens,
+            targets=targets,
             request_timeout_s=timeout,
             file_wait_s=file_wait,
             lock_timeout_s=lock_timeout,
@@ -164,7 +171,7 @@ def generate(
         except TokenizerMismatch as e:
             raise click.ClickException(str(e)) from None
     if store is None:
-        store = _store_factory(store_path, ids, verifier or model, renderer.fingerprint, codec, cfg)
+        store = _store_factory(store_path, ids, verifier or model, renderer.fingerprint, codec, cfg, targets)
     prompts = render_stream(list(inputs), renderer, on_bad_input=on_bad_input)
     if join and "-" not in inputs:  # a joined run may read the input again for dead writers' chunks
         prompts = lambda: render_stream(list(inputs), renderer, on_bad_input=on_bad_input)  # noqa: E731
@@ -239,7 +246,9 @@ def _visible_entries(path: Path) -> list[str]:
     return [e for e in os.listdir(path) if not e.startswith(".")]
 
 
-def _store_factory(path: Path, layer_ids, verifier, fingerprint: str, codec: str, cfg):
+def _store_factory(
+    path: Path, layer_ids, verifier, fingerprint: str, codec: str, cfg, targets: str = "states"
+):
     """The store at ``path``, created from the first sample's shape (hidden size, dtype)."""
     from hsgen.store_sink import LazyStore
 
@@ -259,6 +268,7 @@ def _store_factory(path: Path, layer_ids, verifier, fingerprint: str, codec: str
             dtype=sample.dtype,
             tokenizer_fingerprint=fingerprint,
             codec=codec,
+            targets=targets,
         )
         return HiddenStateStore.create(path, header)
 

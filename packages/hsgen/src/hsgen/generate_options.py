@@ -58,6 +58,15 @@ TARGET_OPTIONS = [  # the store and the servers
         show_default=True,
         help="Encoding of a new store: raw, lz4 (lossless) or fp8 (lossy e4m3 with per-token scale).",
     ),
+    click.option(
+        "--targets",
+        type=click.Choice(["states", "argmax"]),
+        default=None,
+        help="What a new store keeps for the draft's targets: states (the last of --layer-ids is the "
+        "verifier's final layer) or argmax (the verifier's greedy next token per position, from vLLM's "
+        "prompt_logprobs, 4 bytes a token; --layer-ids then lists the draft's input layers only). "
+        "Default: the store's own, states for a new one.",
+    ),
 ]
 
 SCALE_OPTIONS = [  # requests in flight, ranks, how much to do

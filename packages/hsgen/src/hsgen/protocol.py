@@ -57,11 +57,14 @@ def completion_request(
     *,
     include_output_tokens: bool = False,
     hidden_states_path: str | None = None,
+    prompt_logprobs: int | None = None,
 ) -> dict[str, Any]:
     """Body of ``POST /v1/completions`` asking for the hidden states of one tokenized prompt.
 
     One prompt per request: vLLM returns ``kv_transfer_params`` for the first prompt only.
     ``max_tokens`` is 1 because the extraction runs as a one-token "speculative" pass.
+    ``prompt_logprobs`` (k >= 1) also asks for the verifier's top-k at every prompt position
+    (:func:`hsgen.prompt_logprobs.parse_target_ids` turns them into the greedy targets).
     """
     if len(prompt_token_ids) == 0:
         raise ValueError("prompt_token_ids is empty: vLLM rejects an empty decoder prompt")
@@ -73,6 +76,10 @@ def completion_request(
         "temperature": 0.0,
         "return_token_ids": True,
     }
+    if prompt_logprobs is not None:
+        if prompt_logprobs < 1:
+            raise ValueError(f"prompt_logprobs must be >= 1 to name the top token, got {prompt_logprobs}")
+        body["prompt_logprobs"] = int(prompt_logprobs)
     params = _kv_transfer_params(include_output_tokens, hidden_states_path)
     if params:
         body["kv_transfer_params"] = params
@@ -166,6 +173,8 @@ class ExtractionResult:
     output_token_ids: tuple[int, ...] = ()
     finish_reason: str | None = None
     usage: Mapping[str, Any] = field(default_factory=dict)
+    prompt_logprobs: Sequence[Any] | None = None
+    """``choices[0].prompt_logprobs`` as sent (None when not asked for)."""
 
 
 def parse_extraction_response(body: Mapping[str, Any]) -> ExtractionResult:
@@ -201,6 +210,7 @@ def parse_extraction_response(body: Mapping[str, Any]) -> ExtractionResult:
         output_token_ids=tuple(map(int, output_ids)),
         finish_reason=choice.get("finish_reason"),
         usage=body.get("usage") or {},
+        prompt_logprobs=choice.get("prompt_logprobs", body.get("prompt_logprobs")),
     )
 
 

@@ -77,6 +77,12 @@ def check_header(header: Any, sample: FetchedSample) -> None:
             f"the server sends {shape[1]} layers, the store holds {len(header.layer_ids)} "
             f"(layer ids {list(header.layer_ids)}): check the server's eagle_aux_hidden_state_layer_ids"
         )
+    if (sample.target_ids is not None) != header.target_ids_stored:
+        raise ValueError(
+            f"the store holds {'target ids' if header.target_ids_stored else 'final-layer states'} "
+            f"(targets {header.targets}), the run fetches {'target ids' if sample.target_ids is not None else 'states'}: "
+            "use the store's --targets"
+        )
     if shape[2] != header.hidden_size:
         raise ValueError(f"the server sends hidden size {shape[2]}, the store holds {header.hidden_size}")
 
@@ -233,13 +239,9 @@ class StoreSink:
                 make = functools.partial(self.store.writer, self.writer_id, shard_bytes=self.shard_bytes)
                 self._writer = await loop.run_in_executor(self._exec, make)
             check_header(self.store.header, sample)
+            add = functools.partial(self._writer.add, target_ids=sample.target_ids)
             await loop.run_in_executor(
-                self._exec,
-                self._writer.add,
-                sample.sample_id,
-                sample.hidden_states,
-                sample.token_ids,
-                sample.loss_mask,
+                self._exec, add, sample.sample_id, sample.hidden_states, sample.token_ids, sample.loss_mask
             )
             self._added += 1
         except ValueError as e:

@@ -55,6 +55,7 @@ class _Item:
     hidden: torch.Tensor | None = None  # [T, n_sel, H]
     token_ids: torch.Tensor | None = None
     loss_mask: torch.Tensor | None = None
+    target_ids: torch.Tensor | None = None
 
 
 class _PlanReader(torch.utils.data.Dataset):
@@ -92,12 +93,14 @@ def sample_to_item(sample: Sample, position: int, layers: Sequence[int] | None, 
     if layers is not None and list(layers) != list(range(hs.shape[1])):
         hs = hs[:, list(layers)]
     mask = sample.loss_mask if sample.loss_mask is not None else np.ones(n, np.uint8)
+    targets = getattr(sample, "target_ids", None)
     return _Item(
         position,
         sample.sample_id,
         hs,
         torch.from_numpy(np.asarray(sample.token_ids[:n], dtype=np.int64)),
         torch.from_numpy(np.asarray(mask[:n]).astype(bool)),
+        None if targets is None else torch.from_numpy(np.asarray(targets[:n], dtype=np.int32)),
     )
 
 
@@ -106,7 +109,9 @@ def _item_read(item: _Item) -> ArrayRead:
     h = item.hidden
     dtype = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[h.dtype]  # type: ignore[union-attr]
     raw = h.view(torch.int16).numpy().view(np.uint16) if dtype == "bfloat16" else h.numpy()  # type: ignore[union-attr]
-    return ArrayRead(item.sample_id, raw, item.token_ids.numpy(), item.loss_mask.numpy(), dtype)  # type: ignore[union-attr]
+    targets = None if item.target_ids is None else item.target_ids.numpy()
+    return ArrayRead(item.sample_id, raw, item.token_ids.numpy(), item.loss_mask.numpy(), dtype,  # type: ignore[union-attr]
+                     target_ids=targets)  # fmt: skip
 
 
 def _identity(x):
@@ -182,7 +187,10 @@ class PackedLoader:
         plan: this rank's ordered ids for the epoch.
         start: first plan position to read (the data cursor).
         total_seq_len: slots per packed sequence; a longer sample is truncated.
-        layers: indices into the stored layers to keep, auxiliary first, target layer last.
+        layers: indices into the stored layers to keep, auxiliary first, target layer last (no
+            target layer from a store of target ids).
+        target_ids: fill each batch's ``target_ids`` from the samples' (None: when the source's
+            header says its samples carry them, ``targets = "argmax"``).
         hidden_dtype: dtype of the batch's hidden states.
         num_workers: DataLoader reader processes (0 = reader threads of this process).
         pin_memory: pack into page-locked memory (when CUDA is available).
@@ -210,6 +218,7 @@ class PackedLoader:
         ahead: int = 2,
         device: torch.device | str | None = None,
         buffers: BufferPool | None = None,
+        target_ids: bool | None = None,
     ):
         if total_seq_len < 2:
             raise ValueError(f"total_seq_len must be >= 2, got {total_seq_len}")
@@ -230,6 +239,9 @@ class PackedLoader:
         """Samples whose reads were refused (trained on nothing), in the order met."""
         self._warned_truncate = False
         self.buffers = buffers if buffers is not None else BufferPool(self.ahead + 3)
+        if target_ids is None:
+            target_ids = bool(getattr(getattr(source, "header", None), "target_ids_stored", False))
+        self.target_ids = target_ids
         self.eager = bool(getattr(source, "locate_waits", False))
         """Start each read as soon as its sample is placed (see :class:`_OpenSequence`)."""
 
@@ -335,6 +347,7 @@ class _OpenSequence:
                 torch.full((S,), -1, dtype=torch.int64, pin_memory=pin),
                 torch.arange(1, S + 1, dtype=torch.int64).pin_memory() if pin else torch.arange(1, S + 1),
                 hidden,
+                torch.full((S,), -1, dtype=torch.int64, pin_memory=pin) if L.target_ids else None,
             )
         )
 
@@ -342,14 +355,24 @@ class _OpenSequence:
         b = self.pending.batch  # type: ignore[union-attr]
         layers = None if self.loader.num_workers > 0 else self.loader.layers
         hi = lo + n
+        targets = None if b.target_ids is None else b.target_ids[lo:hi]
         self.jobs[lo] = pool.submit(
-            _Job(_read_job, read, b.hidden_states[lo:hi], b.input_ids[lo:hi], b.loss_mask[lo:hi], layers)
+            _Job(
+                _read_job,
+                read,
+                b.hidden_states[lo:hi],
+                b.input_ids[lo:hi],
+                b.loss_mask[lo:hi],
+                layers,
+                targets,
+            )
         )
 
     def close(self, plan_end: int, pool: ThreadPoolExecutor) -> _Pending:
         L = self.loader
         if not self.placed:
-            batch = empty_batch(L.total_seq_len, self.plan_start, plan_end, self.sample_ids, L.hidden_dtype)
+            batch = empty_batch(L.total_seq_len, self.plan_start, plan_end, self.sample_ids, L.hidden_dtype,
+                                L.target_ids)  # fmt: skip
             return _Pending(batch)
         if self.pending is None:
             self._allocate(self.placed[0][1], self.used)
@@ -391,10 +414,10 @@ class _Job:
         return fn(*args)
 
 
-def _read_job(read: SampleRead, hidden, input_ids, loss_mask, layers) -> str | None:
+def _read_job(read: SampleRead, hidden, input_ids, loss_mask, layers, target_ids=None) -> str | None:
     """Reader thread: fill one slot; the refusal message, or None when the sample is good."""
     try:
-        fill_slot(read, hidden, input_ids, loss_mask, layers)
+        fill_slot(read, hidden, input_ids, loss_mask, layers, target_ids)
     except SampleRefused as e:
         return str(e)
     finally:
@@ -412,8 +435,9 @@ def _to_device(host: Batch, device: torch.device) -> Batch:
     hs[:n].copy_(host.hidden_states[:n], non_blocking=True)
     hs[n:].zero_()
     moved = {k: getattr(host, k).to(device, non_blocking=True) for k in BATCH_TENSORS if k != "hidden_states"}
-    return Batch(**moved, hidden_states=hs, sample_ids=host.sample_ids, plan_start=host.plan_start,
-                 plan_end=host.plan_end, num_tokens=n)  # fmt: skip
+    targets = None if host.target_ids is None else host.target_ids.to(device, non_blocking=True)
+    return Batch(**moved, hidden_states=hs, target_ids=targets, sample_ids=host.sample_ids,
+                 plan_start=host.plan_start, plan_end=host.plan_end, num_tokens=n)  # fmt: skip
 
 
 class LoaderRun:

@@ -45,8 +45,11 @@ class SampleRead(Protocol):
     row_shape: tuple[int, int]
     """(stored layers, hidden size)."""
 
-    def read_into(self, hidden: np.ndarray, token_ids: np.ndarray, loss_mask: np.ndarray) -> None:
-        """Fill ``hidden`` ``[length, L, H]`` (storage dtype), ``token_ids`` int64, ``loss_mask`` uint8.
+    def read_into(self, hidden: np.ndarray, token_ids: np.ndarray, loss_mask: np.ndarray,
+                  target_ids: np.ndarray | None = None) -> None:  # fmt: skip
+        """Fill ``hidden`` ``[length, L, H]`` (storage dtype), ``token_ids`` int64, ``loss_mask`` uint8,
+        and ``target_ids`` int32 (the verifier's argmax per token) when given: a sample without
+        them then raises ``ValueError``.
 
         Raises:
             SampleRefused: the bytes failed their check (the message names where they came from).
@@ -71,10 +74,13 @@ class ArrayRead:
     dtype: str
     check_finite: bool = False
     origin: str = ""
+    target_ids: np.ndarray | None = None
 
     @classmethod
     def of(cls, sample, **kw) -> ArrayRead:
-        """From anything with ``sample_id``, ``hidden_states``, ``token_ids``, ``loss_mask``, ``dtype``."""
+        """From anything with ``sample_id``, ``hidden_states``, ``token_ids``, ``loss_mask``, ``dtype``
+        (and ``target_ids``, when it has them)."""
+        kw.setdefault("target_ids", getattr(sample, "target_ids", None))
         return cls(
             sample.sample_id, sample.hidden_states, sample.token_ids, sample.loss_mask, sample.dtype, **kw
         )
@@ -87,7 +93,14 @@ class ArrayRead:
     def row_shape(self) -> tuple[int, int]:
         return tuple(self.hidden.shape[1:])  # type: ignore[return-value]
 
-    def read_into(self, hidden: np.ndarray, token_ids: np.ndarray, loss_mask: np.ndarray) -> None:
+    def read_into(self, hidden: np.ndarray, token_ids: np.ndarray, loss_mask: np.ndarray,
+                  target_ids: np.ndarray | None = None) -> None:  # fmt: skip
+        if target_ids is not None:
+            if self.target_ids is None:
+                raise ValueError(
+                    f"sample {self.sample_id!r} from {self.origin or 'memory'} has no target ids"
+                )
+            np.copyto(target_ids, self.target_ids[: self.length])
         if self.hidden.ndim != 3 or self.hidden.shape[0] < self.length:
             raise ValueError(
                 f"sample {self.sample_id!r}: hidden states {tuple(self.hidden.shape)} do not match "
@@ -142,12 +155,16 @@ class StoreRead:
     def row_shape(self) -> tuple[int, int]:
         return (self.store.header.num_layers, self.store.header.hidden_size)
 
-    def read_into(self, hidden: np.ndarray, token_ids: np.ndarray, loss_mask: np.ndarray) -> None:
-        verify_sample_read(self.store, self.sample_id, hidden, token_ids, loss_mask, verify=self.verify)
+    def read_into(self, hidden: np.ndarray, token_ids: np.ndarray, loss_mask: np.ndarray,
+                  target_ids: np.ndarray | None = None) -> None:  # fmt: skip
+        if target_ids is not None and not self.store.header.target_ids_stored:
+            raise ValueError(f"store {self.store.path} keeps no target ids")
+        verify_sample_read(self.store, self.sample_id, hidden, token_ids, loss_mask, verify=self.verify,
+                           target_ids=target_ids)  # fmt: skip
 
 
 def verify_sample_read(store: HiddenStateStore, sample_id: str, hidden: np.ndarray, token_ids: np.ndarray,
-                       loss_mask: np.ndarray, *, verify: bool) -> None:  # fmt: skip
+                       loss_mask: np.ndarray, *, verify: bool, target_ids: np.ndarray | None = None) -> None:  # fmt: skip
     """Read a store sample into the buffers, its checksum checked piece by piece when ``verify``.
 
     The one place the loader asks the store to check a sample (``HiddenStateStore.read_into``
@@ -160,7 +177,7 @@ def verify_sample_read(store: HiddenStateStore, sample_id: str, hidden: np.ndarr
     from hsgen.store import StoreError
 
     try:
-        store.read_into(sample_id, hidden, token_ids, loss_mask, verify=verify)
+        store.read_into(sample_id, hidden, token_ids, loss_mask, verify=verify, target_ids=target_ids)
     except KeyError as e:  # deleted since it was located
         raise SampleRefused(f"store {store.path}: {e.args[0] if e.args else e}") from e
     except (StoreError, OSError, EOFError) as e:
@@ -187,11 +204,11 @@ def all_finite(a: np.ndarray, dtype: str) -> bool:
 
 
 def fill_slot(read: SampleRead, hidden: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
-              layers: Sequence[int] | None) -> None:  # fmt: skip
+              layers: Sequence[int] | None, target_ids: torch.Tensor | None = None) -> None:  # fmt: skip
     """Read ``read`` into one slot of a packed sequence: its first ``len(hidden)`` tokens.
 
-    ``hidden`` ``[n, n_sel, H]``, ``input_ids`` ``[n]`` int64 and ``loss_mask`` ``[n]`` bool are
-    views of the sequence's buffers. The rows land in them directly when they are the sample's
+    ``hidden`` ``[n, n_sel, H]``, ``input_ids`` ``[n]`` int64, ``loss_mask`` ``[n]`` bool and
+    ``target_ids`` ``[n]`` int64 (a store of target ids only) are views of the sequence's buffers. The rows land in them directly when they are the sample's
     stored rows; otherwise a staging buffer takes the whole sample (its check covers every
     stored byte) and the kept layers and tokens are copied from it.
     """
@@ -205,14 +222,19 @@ def fill_slot(read: SampleRead, hidden: torch.Tensor, input_ids: torch.Tensor, l
         and hidden.is_contiguous()
     )
     mask = numpy_view(loss_mask, np.uint8)
+    targets = None if target_ids is None else np.empty(read.length, dtype=np.int32)
     if direct:
-        read.read_into(numpy_view(hidden, STORAGE[read.dtype]), numpy_view(input_ids, np.int64), mask)
+        _read(read, numpy_view(hidden, STORAGE[read.dtype]), numpy_view(input_ids, np.int64), mask, targets)
         np.minimum(mask, 1, out=mask)  # bool storage must hold 0 or 1
+        if target_ids is not None:
+            target_ids.copy_(torch.from_numpy(targets))
         return
     stage = np.empty((read.length, L, H), dtype=STORAGE[read.dtype])
     ids = np.empty(read.length, dtype=np.int64)
     m = np.empty(read.length, dtype=np.uint8)
-    read.read_into(stage, ids, m)
+    _read(read, stage, ids, m, targets)
+    if target_ids is not None:
+        target_ids.copy_(torch.from_numpy(targets[:n]))
     hs = torch.from_numpy(stage[:n])
     if read.dtype == "bfloat16":
         hs = hs.view(torch.bfloat16)
@@ -225,3 +247,13 @@ def fill_slot(read: SampleRead, hidden: torch.Tensor, input_ids: torch.Tensor, l
     hidden.copy_(hs)
     input_ids.copy_(torch.from_numpy(ids[:n]))
     mask[...] = np.minimum(m[:n], 1)
+
+
+def _read(
+    read: SampleRead, hidden: np.ndarray, ids: np.ndarray, mask: np.ndarray, targets: np.ndarray | None
+) -> None:
+    """``read.read_into``, passing ``target_ids`` only when wanted (reads that predate them take three buffers)."""
+    if targets is None:
+        read.read_into(hidden, ids, mask)
+    else:
+        read.read_into(hidden, ids, mask, targets)

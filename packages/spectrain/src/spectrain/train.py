@@ -105,57 +105,64 @@ class Trainer:
         torch.manual_seed(cfg.seed)
 
         self.source = source if source is not None else build_source(cfg, self.info)
-        self.val_source = (
-            val_source if val_source is not None else validation_source(cfg, self.source, self.info)
-        )
-        check_there_is_data(cfg, self.source, self.val_source, self.info)
-
-        self.resume_dir = find_resume(cfg)
-        self.state: dict[str, Any] | None = None
-        if self.resume_dir is not None:
-            self.state = load_trainer_state(self.resume_dir, self.info.world_size)
-
-        vdtype = torch.bfloat16 if self.amp else torch.float32
-        self.verifier = VerifierHeads.load(cfg.verifier, dtype=vdtype).to(self.device)
-        if self.state is not None:
-            check_resume(self.resume_dir, cfg, self.state["draft_config"], self.verifier.vocab_size)
-        header = self.source.header
-        check_header(cfg, header, self.verifier)
-        self.hidden_dtype = TORCH_DTYPES.get(getattr(header, "dtype", "bfloat16"), torch.bfloat16)
-        # built where it trains: a 1B-parameter draft's initialisation takes seconds on a GPU, minutes
-        # on the host (the models make their host-side tensors on the host, whatever the default)
-        with torch.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
-            self.model, self.layer_index = build_model(
-                cfg, self.verifier, self.source, self.state, self.info, self.device
+        self.val_source = None
+        try:  # a run that fails to start releases its sources (fetch threads, scratch store) at once
+            self.val_source = (
+                val_source if val_source is not None else validation_source(cfg, self.source, self.info)
             )
-        self.draft_cfg = self.model.cfg
-        self.model.to(self.device)
-        self.module = self.model
-        self.wrapped = wrap_model(self.model, self.info, self.device, cfg.distributed, cfg.compile)
-        if self.state is not None:
-            self.total_steps = self.state["loop"]["total_steps"]
-        else:
-            self.total_steps = estimate_total_steps(cfg, self.source, self.info)
-        warm = cfg.warmup_steps if cfg.warmup_steps is not None else int(cfg.warmup_ratio * self.total_steps)
-        self.warmup = warm
-        self.optimizer: Optimizers = build_optimizers(
-            self.wrapped, cfg.optim_config(self.draft_cfg.default_optimizer),
-            lambda s: lr_lambda(s, self.total_steps, warm, cfg.schedule, cfg.min_lr_ratio),
-            fused=True,  # fused AdamW skips a non-finite step on the device (spectrain.step)
-        )  # fmt: skip
-        self.global_step = 0
-        self.epoch = 0
-        self.position = 0
-        self.plans: list[list[str]] | None = None
-        self.current_plans: list[list[str]] | None = None
-        if self.state is not None:
-            self._restore(self.state)
-        from spectrain.trackers import parse_report_to
+            check_there_is_data(cfg, self.source, self.val_source, self.info)
 
-        trackers = parse_report_to([*cfg.report_to, *(["tensorboard"] if cfg.tensorboard else [])])
-        self.metrics = MetricsLog(self.save_path, self.info.is_main, trackers, cfg.to_dict())
-        self.verifier_name = cfg.verifier_name or self.verifier.info.name_or_path
-        self.checks = StepChecks(cfg.max_nonfinite_steps, lambda ids: self._vocab_error(ids))
+            self.resume_dir = find_resume(cfg)
+            self.state: dict[str, Any] | None = None
+            if self.resume_dir is not None:
+                self.state = load_trainer_state(self.resume_dir, self.info.world_size)
+
+            vdtype = torch.bfloat16 if self.amp else torch.float32
+            self.verifier = VerifierHeads.load(cfg.verifier, dtype=vdtype).to(self.device)
+            if self.state is not None:
+                check_resume(self.resume_dir, cfg, self.state["draft_config"], self.verifier.vocab_size)
+            header = self.source.header
+            check_header(cfg, header, self.verifier)
+            self.hidden_dtype = TORCH_DTYPES.get(getattr(header, "dtype", "bfloat16"), torch.bfloat16)
+            # built where it trains: a 1B-parameter draft's initialisation takes seconds on a GPU, minutes
+            # on the host (the models make their host-side tensors on the host, whatever the default)
+            with torch.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+                self.model, self.layer_index = build_model(
+                    cfg, self.verifier, self.source, self.state, self.info, self.device
+                )
+            self.draft_cfg = self.model.cfg
+            self.model.to(self.device)
+            self.module = self.model
+            self.wrapped = wrap_model(self.model, self.info, self.device, cfg.distributed, cfg.compile)
+            if self.state is not None:
+                self.total_steps = self.state["loop"]["total_steps"]
+            else:
+                self.total_steps = estimate_total_steps(cfg, self.source, self.info)
+            warm = (
+                cfg.warmup_steps if cfg.warmup_steps is not None else int(cfg.warmup_ratio * self.total_steps)
+            )
+            self.warmup = warm
+            self.optimizer: Optimizers = build_optimizers(
+                self.wrapped, cfg.optim_config(self.draft_cfg.default_optimizer),
+                lambda s: lr_lambda(s, self.total_steps, warm, cfg.schedule, cfg.min_lr_ratio),
+                fused=True,  # fused AdamW skips a non-finite step on the device (spectrain.step)
+            )  # fmt: skip
+            self.global_step = 0
+            self.epoch = 0
+            self.position = 0
+            self.plans: list[list[str]] | None = None
+            self.current_plans: list[list[str]] | None = None
+            if self.state is not None:
+                self._restore(self.state)
+            from spectrain.trackers import parse_report_to
+
+            trackers = parse_report_to([*cfg.report_to, *(["tensorboard"] if cfg.tensorboard else [])])
+            self.metrics = MetricsLog(self.save_path, self.info.is_main, trackers, cfg.to_dict())
+            self.verifier_name = cfg.verifier_name or self.verifier.info.name_or_path
+            self.checks = StepChecks(cfg.max_nonfinite_steps, lambda ids: self._vocab_error(ids))
+        except BaseException:
+            self.close(discard=True)
+            raise
 
     # ------------------------------------------------------------------ setup
 
@@ -454,10 +461,14 @@ class Trainer:
         self.last_checkpoint = final
         return final
 
-    def close(self) -> None:
-        self.source.close()
-        if self.val_source is not None:
-            self.val_source.close()
+    def close(self, discard: bool = False) -> None:
+        """Release the sources; ``discard`` (a run that failed) also removes their scratch stores."""
+        for src in (self.source, self.val_source):
+            if src is None:
+                continue
+            if discard and hasattr(src, "discard_scratch"):
+                src.discard_scratch()
+            src.close()
 
 
 def train(
@@ -466,6 +477,9 @@ def train(
     """Run training end to end; returns the summary (last step, loss, checkpoint path, validation)."""
     trainer = Trainer(cfg, source, val_source)
     try:
-        return trainer.run()
-    finally:
-        trainer.close()
+        summary = trainer.run()
+    except BaseException:
+        trainer.close(discard=True)  # an error exit leaves no scratch store behind (in /dev/shm: RAM)
+        raise
+    trainer.close()
+    return summary

@@ -24,10 +24,18 @@ log = logging.getLogger(__name__)
 
 
 def resolve_layers(draft_cfg: DraftConfig, store_layer_ids: Sequence[int], verifier_layers: int, *,
-                   origin: str = "the store's layers") -> list[int]:  # fmt: skip
+                   origin: str = "the store's layers", targets: str = "states", where: str = "the store") -> list[int]:  # fmt: skip
     """Fill ``aux_layer_ids``/``target_layer_id``; return indices into the stored layers (aux..., target).
-    ``origin`` names where the layer ids came from in errors (online: the ``--layer-ids`` flag)."""
+    ``origin`` names where the layer ids came from in errors (online: the ``--layer-ids`` flag).
+
+    A store of target ids (``targets = "argmax"``) stores no final layer: every stored layer may
+    be auxiliary, the target layer is the verifier's last (where its argmax came from), and the
+    indices name the auxiliary layers only. Soft targets need the verifier's distribution, which
+    such a store lacks: refused (``ValueError``, one line).
+    """
     ids = [int(i) for i in store_layer_ids]
+    if targets == "argmax":
+        return _resolve_aux_only(draft_cfg, ids, verifier_layers, where)
     beyond = [i for i in ids if i > verifier_layers]
     if beyond:
         raise ValueError(
@@ -63,6 +71,32 @@ def resolve_layers(draft_cfg: DraftConfig, store_layer_ids: Sequence[int], verif
     draft_cfg.aux_layer_ids = tuple(aux)
     draft_cfg.target_layer_id = target
     return [ids.index(i) for i in aux] + [ids.index(target)]
+
+
+def _resolve_aux_only(draft_cfg: DraftConfig, ids: list[int], verifier_layers: int, where: str) -> list[int]:
+    """:func:`resolve_layers` for a store of target ids."""
+    mode = getattr(draft_cfg, "target_mode", "hard")
+    if mode != "hard":
+        raise ValueError(
+            f"--target-mode {mode} needs the verifier's distribution, but {where} keeps only its argmax "
+            "(targets argmax): train with --target-mode hard, or on a store of final-layer states"
+        )
+    if draft_cfg.target_layer_id not in (None, verifier_layers):
+        raise ValueError(
+            f"target layer {draft_cfg.target_layer_id}: {where} keeps the argmax of the verifier's last "
+            f"layer {verifier_layers} only"
+        )
+    aux = sorted(draft_cfg.aux_layer_ids) if draft_cfg.aux_layer_ids else ids
+    missing = [i for i in aux if i not in ids]
+    if missing:
+        raise ValueError(f"--target-layer-ids {missing} are not in the store's layers {ids}")
+    if draft_cfg.algorithm == "eagle3" and len(aux) != 3:
+        raise ValueError(
+            f"eagle3 needs 3 auxiliary layers; pick 3 of the store's {ids} with --target-layer-ids"
+        )
+    draft_cfg.aux_layer_ids = tuple(aux)
+    draft_cfg.target_layer_id = verifier_layers
+    return [ids.index(i) for i in aux]
 
 
 def check_tokenizer(
@@ -200,13 +234,17 @@ def build_model(cfg: TrainConfig, verifier: VerifierHeads, source: SampleSource,
     """
     draft_opts = dict(cfg.draft) if state is None else state["draft_config"]
     layers = verifier.info.num_hidden_layers
-    origin = "the servers' layers (--layer-ids)" if cfg.online else f"the layers of store {cfg.store}"
+    origin = "the servers' layers (--layer-ids)" if cfg.online else f"the store's layers ({cfg.store})"
+    targets = getattr(source.header, "targets", "states")
+    where = f"the store {cfg.store}" if cfg.store else "the run's store"
     if cfg.from_pretrained and state is None:
         model = pretrained_draft(cfg, cfg.from_pretrained, verifier, draft_opts)
-        layer_index = resolve_layers(model.cfg, source.header.layer_ids, layers, origin=origin)
+        layer_index = resolve_layers(model.cfg, source.header.layer_ids, layers, origin=origin, targets=targets,
+                                     where=where)  # fmt: skip
     else:
         draft_cfg = get_config_class(cfg.speculator_type).from_dict(draft_opts, where="draft options")
-        layer_index = resolve_layers(draft_cfg, source.header.layer_ids, layers, origin=origin)
+        layer_index = resolve_layers(draft_cfg, source.header.layer_ids, layers, origin=origin, targets=targets,
+                                     where=where)  # fmt: skip
         model = build_draft(draft_cfg, verifier)
     if state is not None:
         model.load_state_dict(state["model"])

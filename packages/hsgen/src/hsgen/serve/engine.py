@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hsgen.serve.capacity import CapacityModel
-from hsgen.serve.hidden import HiddenStateExtractor
+from hsgen.serve.hidden import HiddenStateExtractor, PromptLogprobs
 
 log = logging.getLogger(__name__)
 
@@ -35,12 +35,14 @@ class EngineResult:
         finish_reason: ``"length"`` or ``"stop"`` (an EOS token was generated).
         hidden_states: ``[T, n_layers, H]`` for ``hidden_token_ids``, model dtype, CPU.
         hidden_token_ids: the prompt, or with ``include_output_tokens`` all tokens but the last.
+        prompt_logprobs: the prompt's top-k per position, when the request asked for them.
     """
 
     output_token_ids: list[int]
     finish_reason: str
     hidden_states: torch.Tensor
     hidden_token_ids: list[int]
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass(eq=False)
@@ -51,9 +53,11 @@ class EngineRequest:
     max_tokens: int = 1
     ignore_eos: bool = False
     include_output_tokens: bool = False
+    prompt_logprobs: int | None = None
     future: asyncio.Future | None = None
     output_token_ids: list[int] = field(default_factory=list)
     prompt_hidden: torch.Tensor | None = None
+    prompt_logprobs_out: PromptLogprobs | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -170,8 +174,12 @@ class Engine:
             prefill_tokens = sum(len(r.prompt_token_ids) for r in batch if r.prompt_hidden is None)
             decode_seqs = sum(1 for r in batch if r.prompt_hidden is not None)
             try:
+                want = [r.prompt_logprobs if r.prompt_hidden is None else None for r in batch]
                 outputs = await loop.run_in_executor(
-                    self._executor, self.extractor.forward, [r.tokens for r in batch]
+                    self._executor,
+                    self.extractor.forward,
+                    [r.tokens for r in batch],
+                    want if any(w is not None for w in want) else None,
                 )
             except Exception as e:
                 log.exception("forward failed for a batch of %d sequences", len(batch))
@@ -196,6 +204,7 @@ class Engine:
         for req, out in zip(batch, outputs, strict=True):
             if req.prompt_hidden is None:
                 req.prompt_hidden = out.hidden_states
+                req.prompt_logprobs_out = out.prompt_logprobs
                 self.stats.prompt_tokens_total += len(req.prompt_token_ids)
             forward_tokens = req.tokens
             req.output_token_ids.append(out.next_token)
@@ -212,6 +221,7 @@ class Engine:
                     result = EngineResult(
                         list(req.output_token_ids), reason, req.prompt_hidden, req.prompt_token_ids
                     )
+                result.prompt_logprobs = req.prompt_logprobs_out
                 if req.future is not None and not req.future.done():
                     req.future.set_result(result)
             else:

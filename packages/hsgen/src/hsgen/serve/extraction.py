@@ -10,6 +10,7 @@ from typing import Any
 
 from aiohttp import web
 
+from hsgen.prompt_logprobs import prompt_logprobs_entries
 from hsgen.serve.engine import EngineRequest, EngineResult
 from hsgen.serve.parse import bool_field
 from hsgen.serve.state import HTTPError, ServerState
@@ -34,6 +35,7 @@ async def run_jobs(
     max_tokens: list[int],
     body: dict[str, Any],
     include: bool,
+    prompt_logprobs: int | None = None,
 ) -> None:
     """Run the jobs through the engine, taking each file's lock before the forward ends."""
     ignore_eos = bool_field(body, "ignore_eos", False)
@@ -44,7 +46,9 @@ async def run_jobs(
             job.pending = writer.prepare(job.path)
         results = await asyncio.gather(
             *(
-                state.engine.generate(EngineRequest(job.prompt_token_ids, mt, ignore_eos, include))
+                state.engine.generate(
+                    EngineRequest(job.prompt_token_ids, mt, ignore_eos, include, prompt_logprobs)
+                )
                 for job, mt in zip(jobs, max_tokens, strict=True)
             )
         )
@@ -114,3 +118,45 @@ def usage(jobs: list[Job]) -> dict[str, Any]:
 
 def decode(state: ServerState, ids: list[int]) -> str:
     return state.loaded.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+MAX_LOGPROBS = 20
+"""vLLM's default ``--max-logprobs``: the most ``prompt_logprobs`` a request may ask for (-1: all)."""
+
+
+def prompt_logprobs_field(body: dict[str, Any]) -> int | None:
+    """``prompt_logprobs`` of a request, checked as vLLM checks it (HTTP 400 otherwise)."""
+    value = body.get("prompt_logprobs")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise HTTPError(400, "`prompt_logprobs` must be an integer.", param="prompt_logprobs")
+    if body.get("stream") and (value > 0 or value == -1):
+        raise HTTPError(
+            400, "`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs"
+        )
+    if value < -1:
+        raise HTTPError(400, "`prompt_logprobs` must be a positive value or -1.", param="prompt_logprobs")
+    if value > MAX_LOGPROBS:
+        raise HTTPError(
+            400,
+            f"Requested prompt logprobs of {value}, which is greater than max allowed: {MAX_LOGPROBS}",
+            param="prompt_logprobs",
+        )
+    return value
+
+
+def prompt_logprobs_json(state: ServerState, job: Job) -> list | None:
+    """``choices[i].prompt_logprobs`` of a finished job, as vLLM writes it."""
+    plp = job.result.prompt_logprobs if job.result is not None else None
+    if plp is None:
+        return None
+    tokenizer = state.loaded.tokenizer
+    return prompt_logprobs_entries(
+        job.prompt_token_ids,
+        plp.top_ids.tolist(),
+        plp.top_logprobs.tolist(),
+        plp.token_logprobs.tolist(),
+        plp.token_ranks.tolist(),
+        lambda t: tokenizer.convert_ids_to_tokens(t),
+    )

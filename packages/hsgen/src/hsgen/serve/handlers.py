@@ -11,7 +11,16 @@ from aiohttp import web
 
 from hsgen import protocol
 from hsgen.serve.capacity import CapacityModel
-from hsgen.serve.extraction import Job, decode, pre_fault, respond, run_jobs, usage
+from hsgen.serve.extraction import (
+    Job,
+    decode,
+    pre_fault,
+    prompt_logprobs_field,
+    prompt_logprobs_json,
+    respond,
+    run_jobs,
+    usage,
+)
 from hsgen.serve.faults import FaultPlan
 from hsgen.serve.metrics import render_metrics
 from hsgen.serve.parse import (
@@ -90,6 +99,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     prompts = [p for p, _ in given]
     include, custom = kv_params(state, body)
     return_ids = bool_field(body, "return_token_ids", False)
+    want_logprobs = prompt_logprobs_field(body)
     request_id = protocol.completion_request_id(base_request_id(request))
     paths = [shared_path(state, protocol.hidden_states_filename(request_id, i)) for i in range(len(prompts))]
     if custom:
@@ -100,7 +110,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         Job(p, path, fault if i == 0 else None)
         for i, (p, path) in enumerate(zip(prompts, paths, strict=True))
     ]
-    await run_jobs(request, state, jobs, max_tokens, body, include)
+    await run_jobs(request, state, jobs, max_tokens, body, include, want_logprobs)
     choices = []
     for i, job in enumerate(jobs):
         choice: dict[str, Any] = {
@@ -110,7 +120,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
             "finish_reason": job.result.finish_reason,
             "stop_reason": None,
             "token_ids": job.result.output_token_ids if return_ids else None,
-            "prompt_logprobs": None,
+            "prompt_logprobs": prompt_logprobs_json(state, job),
             "prompt_token_ids": job.prompt_token_ids if return_ids else None,
             "routed_experts": None,
         }

@@ -160,6 +160,45 @@ class ForwardOutput:
 
     hidden_states: torch.Tensor  # [T, n_layers, H], model dtype, on CPU
     next_token: int
+    prompt_logprobs: PromptLogprobs | None = None
+
+
+@dataclass
+class PromptLogprobs:
+    """The distributions that predicted prompt tokens ``1..T-1`` (vLLM's ``prompt_logprobs``).
+
+    Row ``i`` is the distribution after tokens ``0..i``, the one that predicted token ``i + 1``.
+    """
+
+    top_ids: torch.Tensor  # [T-1, k] int64, best first
+    top_logprobs: torch.Tensor  # [T-1, k] float32
+    token_logprobs: torch.Tensor  # [T-1] float32, of the prompt token itself
+    token_ranks: torch.Tensor  # [T-1] int64, 1 + how many tokens are more likely
+
+
+LOGPROB_ROWS = 1024
+"""Positions whose full-vocabulary log-softmax is formed at once (bounds the memory of prompt_logprobs)."""
+
+
+def prompt_logprobs_of(
+    head: torch.nn.Module, last: torch.Tensor, ids: Sequence[int], k: int
+) -> PromptLogprobs:
+    """vLLM's prompt logprobs of one sequence from its final (normed) states ``last [T, H]``."""
+    n = len(ids) - 1
+    nxt = torch.tensor(list(ids[1:]), dtype=torch.long, device=last.device)
+    parts: list[tuple[torch.Tensor, ...]] = []
+    for lo in range(0, n, LOGPROB_ROWS):
+        hi = min(n, lo + LOGPROB_ROWS)
+        lp = torch.log_softmax(head(last[lo:hi]).float(), dim=-1)
+        top = lp.topk(lp.shape[-1] if k == -1 else min(k, lp.shape[-1]), dim=-1)
+        tok = lp.gather(1, nxt[lo:hi, None])
+        rank = (lp > tok).sum(-1) + 1
+        parts.append((top.indices, top.values, tok[:, 0], rank))
+    if not parts:
+        empty = torch.empty(0, k)
+        return PromptLogprobs(empty.long(), empty, torch.empty(0), torch.empty(0, dtype=torch.long))
+    cols = [torch.cat(c).cpu() for c in zip(*parts, strict=True)]
+    return PromptLogprobs(*cols)
 
 
 class HiddenStateExtractor:
@@ -211,8 +250,13 @@ class HiddenStateExtractor:
         self._handles.clear()
 
     @torch.inference_mode()
-    def forward(self, sequences: Sequence[Sequence[int]]) -> list[ForwardOutput]:
-        """One forward over ``sequences`` (each non-empty); results in the same order."""
+    def forward(
+        self, sequences: Sequence[Sequence[int]], prompt_logprobs: Sequence[int | None] | None = None
+    ) -> list[ForwardOutput]:
+        """One forward over ``sequences`` (each non-empty); results in the same order.
+
+        ``prompt_logprobs[i]`` (k) also returns sequence ``i``'s top-k at every position.
+        """
         if not sequences or any(len(s) == 0 for s in sequences):
             raise ValueError("forward needs non-empty sequences")
         lm = self.loaded.model
@@ -244,8 +288,11 @@ class HiddenStateExtractor:
         stacked = torch.stack([self._captured[k] for k in self.layer_ids], dim=2)  # [B, T, n, H]
         self._captured.clear()
         results = []
+        head = lm.get_output_embeddings()
         for i, n in enumerate(lengths):
+            k = prompt_logprobs[i] if prompt_logprobs is not None else None
+            plp = prompt_logprobs_of(head, last[i, :n], sequences[i], k) if k is not None else None
             results.append(
-                ForwardOutput(stacked[i, :n].to("cpu", copy=True).contiguous(), int(next_tokens[i]))
+                ForwardOutput(stacked[i, :n].to("cpu", copy=True).contiguous(), int(next_tokens[i]), plp)
             )
         return results

@@ -33,6 +33,23 @@ def draft_to_target_ids(d2t: torch.Tensor) -> torch.Tensor:
     return torch.arange(d2t.shape[0], device=d2t.device, dtype=torch.int64) + d2t
 
 
+def stored_target_ids(
+    target_ids: torch.Tensor, draft_ids: torch.Tensor | None, vocab_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids, known)`` of stored verifier targets (a store of target ids; -1 = none) in the draft's
+    vocabulary: ``ids`` index the draft's rows (0 where not ``known``), ``known`` is False where no
+    target is stored or the verifier's argmax is outside a reduced draft vocabulary (a token the
+    draft could never propose, so no hard target it can learn)."""
+    known = target_ids >= 0
+    ids = target_ids.clamp_min(0)
+    if draft_ids is None:
+        return ids, known
+    inverse = torch.full((vocab_size,), -1, dtype=torch.int64, device=target_ids.device)
+    inverse[draft_ids] = torch.arange(draft_ids.shape[0], device=target_ids.device)
+    mapped = inverse[ids]
+    return mapped.clamp_min(0), known & (mapped >= 0)
+
+
 TARGET_MODES = ("soft", "hard")
 
 

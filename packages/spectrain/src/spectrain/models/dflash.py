@@ -30,6 +30,7 @@ from spectrain.models.common import (
     dpace_weights,
     draft_to_target_ids,
     loss_decay_weights,
+    stored_target_ids,
 )
 from spectrain.models.layers import (
     MLP,
@@ -41,7 +42,7 @@ from spectrain.models.layers import (
     rope_cos_sin,
 )
 from spectrain.models.registry import DraftConfig, DraftContext, DraftModel, register
-from spectrain.models.vocab_loss import vocab_loss
+from spectrain.models.vocab_loss import VerifierTargets, vocab_loss
 from spectrain.verifier import VerifierHeads
 
 
@@ -344,10 +345,22 @@ class DFlashDraft(DraftModel):
         K = self.cfg.block_size - 1
         h, label_slots, valid = self.block_states(batch, anchors, anchor_valid, mask)
         N = h.shape[0]
-        target_hidden = self.verifier.norm(batch.last_hidden[label_slots - 1].reshape(N * K, -1))
         head = self._head_rows()
-        rows, pred, tgt = vocab_loss(h.reshape(N * K, -1), head, target_hidden, head, self.cfg.target_mode,
-                                     target_softcap=self.verifier.softcap)  # fmt: skip
+        if batch.target_ids is not None:  # a store of target ids: the verifier's argmax, stored
+            if self.cfg.target_mode != "hard":
+                raise ValueError(
+                    "soft targets need the verifier's final layer; this batch has target ids only"
+                )
+            ids, known = stored_target_ids(batch.target_ids[label_slots - 1].reshape(-1), self._draft_ids(),
+                                           self.verifier.vocab_size)  # fmt: skip
+            valid = valid & known.view(N, K)
+            rows, pred, tgt = vocab_loss(
+                h.reshape(N * K, -1), head, mode="hard", targets=VerifierTargets(ids)
+            )
+        else:
+            target_hidden = self.verifier.norm(batch.last_hidden[label_slots - 1].reshape(N * K, -1))
+            rows, pred, tgt = vocab_loss(h.reshape(N * K, -1), head, target_hidden, head, self.cfg.target_mode,
+                                         target_softcap=self.verifier.softcap)  # fmt: skip
         rows = rows.view(N, K)
         w = self.position_weights(rows, valid)
         weight_sum = valid.sum().to(rows.dtype) if self.cfg.loss_norm == "count" else w.sum()

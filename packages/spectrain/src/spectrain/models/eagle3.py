@@ -24,11 +24,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from spectrain.data import Batch
-from spectrain.models.common import build_vocab_map, chain_metrics, draft_to_target_ids
+from spectrain.models.common import build_vocab_map, chain_metrics, draft_to_target_ids, stored_target_ids
 from spectrain.models.dflash import qwen3_layer_config, speculators_config
 from spectrain.models.layers import MLP, MaskSpec, PreparedMask, RMSNorm, apply_rope, rope_cos_sin
 from spectrain.models.registry import DraftConfig, DraftContext, DraftModel, register
-from spectrain.models.vocab_loss import verifier_targets, vocab_loss
+from spectrain.models.vocab_loss import VerifierTargets, verifier_targets, vocab_loss
 from spectrain.verifier import VerifierHeads
 
 log = logging.getLogger(__name__)
@@ -240,14 +240,23 @@ class Eagle3Draft(DraftModel):
         device = batch.input_ids.device
         S, K = batch.seq_len, cfg.ttt_steps
         draft_ids = draft_to_target_ids(self.d2t)
-        with torch.no_grad():
-            target_hidden = self.verifier.norm(batch.last_hidden)
-        targets = verifier_targets(
-            target_hidden,
-            self.verifier.lm_head.index_select(0, draft_ids),
-            cfg.target_mode,
-            softcap=self.verifier.softcap,
-        )
+        known = None
+        if batch.target_ids is not None:  # a store of target ids: the verifier's argmax, stored
+            if cfg.target_mode != "hard":
+                raise ValueError(
+                    "soft targets need the verifier's final layer; this batch has target ids only"
+                )
+            ids, known = stored_target_ids(batch.target_ids, draft_ids, self.verifier.vocab_size)
+            targets = VerifierTargets(ids)
+        else:
+            with torch.no_grad():
+                target_hidden = self.verifier.norm(batch.last_hidden)
+            targets = verifier_targets(
+                target_hidden,
+                self.verifier.lm_head.index_select(0, draft_ids),
+                cfg.target_mode,
+                softcap=self.verifier.softcap,
+            )
         hidden = self.context_features(batch.aux_hidden.reshape(S, -1))
         keys, values = [], []
         total = hidden.new_zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32))
@@ -256,6 +265,8 @@ class Eagle3Draft(DraftModel):
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         for j in range(K):
             src_c, inside, valid = self.step_slots(batch, j)
+            if known is not None:
+                valid = valid & known[src_c]
             tok = torch.where(inside, batch.input_ids[src_c], torch.zeros_like(src_c))
             x, residual = self.layer.pre_attention(self._dtype_in(self.verifier.embed(tok)), hidden)
             rope = rope_cos_sin(batch.position_ids + j, self.head_dim, self.theta)

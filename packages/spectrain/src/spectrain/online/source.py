@@ -238,9 +238,28 @@ class OnlineSource:
                 self.run.remove_own(self.fetcher.client_prefix)
         self._remove_scratch()
 
+    def discard_scratch(self) -> None:
+        """Have :meth:`close` remove the scratch store whatever it holds (a run that failed)."""
+        self._discard = True
+
+    def _scratch_candidates(self) -> list[Path]:
+        """Where this run's scratch store is (not opened yet: an earlier run's, if it left one)."""
+        from spectrain.online.scratch import SCRATCH_MARKER, choose_scratch_dir
+
+        cfg = self.config
+        if cfg.scratch_dir:
+            paths = [Path(cfg.scratch_dir) / (f"rank{cfg.rank}" if cfg.world_size > 1 else "")]
+        else:
+            paths = [choose_scratch_dir(cfg.save_path, cfg.rank, n, split=cfg.split) for n in (0, 1 << 62)]
+        return [p for p in dict.fromkeys(paths) if (p / SCRATCH_MARKER).exists()]
+
     def _remove_scratch(self) -> None:
         path, scratch = self.stores.scratch_path, self.stores.scratch
-        if path is not None and self.config.split == "validation" and not self.config.cache_generated:
+        if getattr(self, "_discard", False):
+            for p in [path] if path is not None else self._scratch_candidates():
+                shutil.rmtree(p, ignore_errors=True)
+                log.info("removed the scratch store %s (the run failed)", p)
+        elif path is not None and self.config.split == "validation" and not self.config.cache_generated:
             shutil.rmtree(path, ignore_errors=True)  # cheap to fetch again; never left in RAM
         elif path is not None and scratch is not None:
             with self.stores.scratch_lock:
