@@ -1,10 +1,13 @@
-"""Run by the vLLM venv's interpreter: what vLLM's own config code makes of an exported draft.
+"""Run by the vLLM venv's interpreter: what vLLM's own config code makes of exported drafts.
 
-    python _vllm_resolve.py VERIFIER_DIR DRAFT_DIR SPECULATIVE_CONFIG_JSON
+    python _vllm_resolve.py VERIFIER_DIR CASES_JSON
 
-Prints one JSON object: the method ``vllm serve DRAFT_DIR`` resolves (``bare``), the method and the
-number of speculative tokens ``--model VERIFIER --speculative-config JSON`` resolves (``flag``), and
-per draft layer the (sliding window, causal) vLLM's DFlash model would build (``dflash_layers``).
+``CASES_JSON`` maps a name to ``{"draft": DRAFT_DIR, "spec": SPECULATIVE_CONFIG}``; all cases are
+resolved in this one process (importing vLLM costs tens of seconds on 2 cores). Prints one JSON
+object mapping each name to: the method ``vllm serve DRAFT_DIR`` resolves (``bare``), the method
+and number of speculative tokens ``--model VERIFIER --speculative-config SPEC`` resolves
+(``flag``), and per draft layer the (sliding window, causal) vLLM's DFlash model builds
+(``dflash_layers``); or ``{"error": "..."}`` where vLLM refused the case.
 """
 
 from __future__ import annotations
@@ -13,8 +16,7 @@ import json
 import sys
 
 
-def main() -> None:
-    verifier, draft, spec_json = sys.argv[1], sys.argv[2], sys.argv[3]
+def resolve(verifier: str, draft: str, spec_kw: dict) -> dict:
     from vllm.config import ModelConfig, ParallelConfig, SpeculativeConfig
     from vllm.transformers_utils.config import maybe_override_with_speculators
 
@@ -22,8 +24,7 @@ def main() -> None:
     _, _, bare = maybe_override_with_speculators(model=draft, tokenizer=None, trust_remote_code=False)
     out["bare"] = {"method": bare["method"], "num_speculative_tokens": bare["num_speculative_tokens"]}
     target = ModelConfig(model=verifier, dtype="float32", max_model_len=1024)
-    spec = SpeculativeConfig(**json.loads(spec_json), target_model_config=target,
-                             target_parallel_config=ParallelConfig())  # fmt: skip
+    spec = SpeculativeConfig(**spec_kw, target_model_config=target, target_parallel_config=ParallelConfig())
     out["flag"] = {"method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens}
     hf = spec.draft_model_config.hf_config
     if spec.method == "dflash":
@@ -33,6 +34,19 @@ def main() -> None:
             list(qwen3_dflash._resolve_layer_attention(hf, i)) for i in range(hf.num_hidden_layers)
         ]
         out["dflash_target_layer_ids"] = list(hf.dflash_config["target_layer_ids"])
+        # what the proposer passes as the attention metadata's ``causal`` (vllm/v1/spec_decode/dflash.py)
+        out["dflash_proposer_causal"] = not qwen3_dflash.dflash_has_any_non_causal(hf)
+    return out
+
+
+def main() -> None:
+    verifier, cases = sys.argv[1], json.loads(sys.argv[2])
+    out = {}
+    for name, case in cases.items():
+        try:
+            out[name] = resolve(verifier, case["draft"], case["spec"])
+        except Exception as e:  # reported per case: the test decides what a refusal means
+            out[name] = {"error": f"{type(e).__name__}: {e}"}
     print(json.dumps(out))
 
 
