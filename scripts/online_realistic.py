@@ -204,6 +204,7 @@ def online_pass(url: str, shared: Path, prompts: Path, model: Path, work: Path, 
         endpoints=[url], prompts=[str(prompts)], store=str(work / "store"), verifier=str(model),
         save_path=str(work / "save"), layer_ids=LAYERS, scratch_dir=str(work / "scratch"), scratch_bytes=bound,
         delete_consumed=True, persist_fetched=persist, shared_dir=str(shared), saturation={"concurrency": 8},
+        client_options={"expect_hidden_size": HIDDEN},  # the stand-in server plays a 4096-wide model, not tiny's
     )  # fmt: skip
     src = OnlineSource(cfg)
     waits: list[float] = []
