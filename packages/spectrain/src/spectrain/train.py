@@ -121,6 +121,10 @@ class Trainer:
             self.verifier = VerifierHeads.load(cfg.verifier, dtype=vdtype).to(self.device)
             if self.state is not None:
                 check_resume(self.resume_dir, cfg, self.state["draft_config"], self.verifier.vocab_size)
+            resume_at = getattr(self.source, "resume_at", None)
+            if self.state is not None and resume_at is not None:  # an online source's header probe
+                loop, plans = self.state["loop"], self.state.get("plans")
+                resume_at(loop["epoch"], loop["positions"][self.info.rank], plans and plans[self.info.rank])
             header = self.source.header
             check_header(cfg, header, self.verifier)
             self.hidden_dtype = TORCH_DTYPES.get(getattr(header, "dtype", "bfloat16"), torch.bfloat16)
@@ -313,6 +317,7 @@ class Trainer:
                 self._skip_rest(plan)
                 self.epoch += 1
                 self.position = 0
+                self.current_plans = None  # a checkpoint now holds no plan: the next epoch is planned afresh
                 if self.val_source is not None and not cfg.val_every:
                     summary["validation"] = self.validate()
             if window.steps:  # the last step is always logged, however short the run
