@@ -93,8 +93,13 @@ def test_mask_pairs_counts_the_mask_and_density_comes_from_a_real_forward():
 def test_plan_script_runs_through_the_real_drafts():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(ROOT / p) for p in
                                                        ("packages/hsgen/src", "packages/spectrain/src"))}  # fmt: skip
-    out = subprocess.run([sys.executable, str(ROOT / "scripts/bench_train.py"), "--plan", "--tiny"],
-                         capture_output=True, text=True, env=env, timeout=900)  # fmt: skip  (minutes under load)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts/bench_train.py"), "--plan", "--tiny"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )  # fmt: skip  (minutes under load)
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
     for name in ("dflash", "eagle3"):
