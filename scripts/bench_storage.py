@@ -15,8 +15,14 @@ Bytes per token are every byte of each store (header, manifests, shards) over it
 against the peer's layout: speculators keeps vLLM's file for each sample (``hs_<i>.safetensors``:
 ``hidden_states [T, layers, H]`` bf16 of every captured layer, ``token_ids [T]`` int64), whose
 size is computed exactly with ``safetensors`` for each sample's length. DFlash and Eagle3 are
-trained on each store with the same seed and budget and measured with ``spectrain eval``
-(speculative decoding checked token for token against greedy decoding).
+trained on each store with the same seed, data order and budget (a paired comparison) and
+measured with ``spectrain eval`` (speculative decoding checked token for token against greedy
+decoding) on ``--eval-prompts`` held-out prompts: 24 by default, three times the quality
+benchmark's 8, so that one verification step more or less moves tau by under 0.5%. Each layout
+is generated through its own real path (``--codec``, ``--targets argmax`` with vLLM's
+``prompt_logprobs``) rather than derived from the raw store: a generation takes seconds, the
+trainings are the cost. Each row also reports how far its trained weights are from ``raw``'s
+(``weights_max_diff_*``), which shows the layouts did train on different data.
 
 The last stdout line is JSON: ``bytes_per_token_ratio`` (the recommended layout, ``fp8_argmax``,
 against the peer), ``tau_delta_dflash`` and ``tau_delta_eagle3`` (relative, recommended against
@@ -24,8 +30,8 @@ against the peer), ``tau_delta_dflash`` and ``tau_delta_eagle3`` (relative, reco
 it reports was not measured or an output differed from greedy decoding.
 ``--bytes-only`` builds the stores and reports their bytes alone (no tau, nothing else claimed).
 ``--quick`` (48 prompts, 1 epoch, 4 eval prompts) checks the whole path in a few minutes; the
-default (the quality benchmark's quick size, 8 trainings) takes about 45 minutes on the shared
-2-core VM.
+default (the quality benchmark's quick size, 8 trainings, 8 evaluations) took 19 minutes (8 eval
+prompts) to 30 minutes (24) on the shared 2-core VM at load 5-8.
 """
 
 from __future__ import annotations
@@ -46,9 +52,10 @@ import bench_quality as bq  # noqa: E402  (the quality benchmark's target, data 
 
 log = logging.getLogger("bench_storage")
 
-LAYOUTS = {"raw": ("raw", "states"), "fp8": ("fp8", "states"), "argmax": ("raw", "argmax"),
-           "fp8_argmax": ("fp8", "argmax")}  # fmt: skip
-"""Layout -> (``--codec``, ``--targets``)."""
+LAYOUTS = {"raw": ("raw", "states"), "fp8_argmax": ("fp8", "argmax"), "fp8": ("fp8", "states"),
+           "argmax": ("raw", "argmax")}  # fmt: skip
+"""Layout -> (``--codec``, ``--targets``), in the order they run: ``raw`` (the reference) first,
+then the recommended layout, so that a run cut short has the comparison that decides."""
 
 RECOMMENDED = "fp8_argmax"
 
@@ -74,6 +81,40 @@ def peer_bytes(lengths: list[int], layers: int, hidden: int) -> int:
                    "token_ids": torch.zeros(T, dtype=torch.int64)}  # fmt: skip
         sizes[T] = len(save(tensors))
     return sum(sizes[T] for T in lengths)
+
+
+def weights_max_diff(reference: Path, draft: Path) -> float:
+    """The largest absolute difference between two exported drafts' weights (0.0: the same draft)."""
+    from safetensors.torch import load_file
+
+    a, b = load_file(reference / "model.safetensors"), load_file(draft / "model.safetensors")
+    if a.keys() != b.keys():
+        raise SystemExit(f"{draft} and {reference} hold different tensors")
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def targets_differing(raw: Path, store: Path, target: Path) -> tuple[int, int]:
+    """Trained positions (loss mask 1) where an argmax store's target, vLLM's ``prompt_logprobs``
+    top token from the bf16 server, differs from the trainer's target formed from the raw store's
+    final layer (the verifier's norm and head in float32): (differing, trained positions)."""
+    import torch
+
+    from hsgen.store import HiddenStateStore
+    from spectrain.batch import storage_to_torch
+    from spectrain.verifier import VerifierHeads
+
+    heads = VerifierHeads.load(target)
+    states, ids = HiddenStateStore.open(raw), HiddenStateStore.open(store)
+    differ = trained = 0
+    for sid in states.sample_ids():
+        a, b = states.read(sid), ids.read(sid)
+        final = storage_to_torch(a.hidden_states, a.dtype)[:, -1].float()
+        with torch.no_grad():
+            mine = heads.logits(heads.norm(final)).argmax(-1).numpy()
+        mask = a.loss_mask.astype(bool)
+        differ += int(((mine != b.target_ids) & mask).sum())
+        trained += int(mask.sum())
+    return differ, trained
 
 
 def generate_store(target: Path, train_jsonl: Path, layers: list[int], store: Path, shared: Path,
@@ -110,6 +151,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="Torch threads of every step.")
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help="Layouts to run (default: all four).")
     parser.add_argument(
+        "--eval-prompts",
+        type=int,
+        default=None,
+        help="Held-out prompts of each evaluation (default 24; --quick 4).",
+    )
+    parser.add_argument(
         "--bytes-only",
         action="store_true",
         help="Build the stores and report bytes per token only (no training).",
@@ -129,9 +176,14 @@ def main(argv: list[str] | None = None) -> int:
         size = dataclasses.replace(
             size, num_train_prompts=48, draft_epochs=1, num_eval_prompts=4, eval_new_tokens=32
         )
-    layouts = [name.strip() for name in args.layouts.split(",") if name.strip()]
-    if "raw" not in layouts or any(name not in LAYOUTS for name in layouts):
+    eval_prompts = args.eval_prompts or (size.num_eval_prompts if args.quick else 24)
+    if eval_prompts < 1:
+        raise SystemExit(f"--eval-prompts must be at least 1, got {args.eval_prompts}")
+    size = dataclasses.replace(size, num_eval_prompts=eval_prompts)
+    asked = [name.strip() for name in args.layouts.split(",") if name.strip()]
+    if "raw" not in asked or any(name not in LAYOUTS for name in asked):
         raise SystemExit(f"--layouts must name 'raw' and some of {list(LAYOUTS)}, got {args.layouts!r}")
+    layouts = [name for name in LAYOUTS if name in asked]  # raw first: the others are compared with it
     work = args.work or Path(tempfile.mkdtemp(prefix="bench-storage-"))
     work.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
@@ -159,6 +211,10 @@ def main(argv: list[str] | None = None) -> int:
             row = {"codec": codec, "targets": targets, "layers": layers, "samples": len(ids), "tokens": tokens,
                    "bytes_per_token": round(ours / tokens, 2), "peer_bytes_per_token": round(peer / tokens, 2),
                    "ratio": round(ours / peer, 4)}  # fmt: skip
+            if targets == "argmax" and name != "raw":
+                row["targets_differing"], row["trained_positions"] = targets_differing(
+                    work / "store-raw", store, target
+                )
             for algorithm in () if args.bytes_only else ("dflash", "eagle3"):
                 draft_aux = dflash_aux if algorithm == "dflash" else eagle_aux
                 draft, summary = bq.train_draft(
@@ -167,7 +223,12 @@ def main(argv: list[str] | None = None) -> int:
                 ev = bq.evaluate_draft(draft, target, eval_jsonl, size, "cpu")
                 row[f"tau_{algorithm}"] = round(ev["tau"], 4)
                 row[f"exact_{algorithm}"] = bool(ev["exact_match"])
+                row[f"eval_steps_{algorithm}"] = ev["steps"]
+                row[f"eval_tokens_{algorithm}"] = ev["new_tokens"]
                 row[f"train_s_{algorithm}"] = summary.get("train_seconds")
+                row[f"weights_max_diff_{algorithm}"] = weights_max_diff(
+                    work / f"draft-{algorithm}-raw", draft
+                )
             results[name] = row
             log.info("%s: %s", name, json.dumps(row))
             (work / "results-storage.json").write_text(json.dumps(results, indent=2) + "\n")
@@ -175,7 +236,9 @@ def main(argv: list[str] | None = None) -> int:
             final_bytes = {"bytes_per_token_ratio": results[RECOMMENDED]["ratio"] if RECOMMENDED in results else None,
                            **{f"ratio_{n}": r["ratio"] for n, r in results.items()},
                            **{f"bytes_per_token_{n}": r["bytes_per_token"] for n, r in results.items()},
-                           "peer_bytes_per_token": results["raw"]["peer_bytes_per_token"]}  # fmt: skip
+                           "peer_bytes_per_token": results["raw"]["peer_bytes_per_token"],
+                           **{f"targets_differing_{n}": r["targets_differing"] for n, r in results.items()
+                              if "targets_differing" in r}}  # fmt: skip
             print(json.dumps(final_bytes))
             return 0
         raw = results["raw"]

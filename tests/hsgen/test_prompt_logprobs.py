@@ -54,10 +54,13 @@ def test_entries_follow_vllms_layout_and_give_the_greedy_targets():
 
 
 def test_a_prompt_token_tied_with_the_top_token_keeps_the_top_tokens_target():
-    """vLLM ranks the prompt token by the tokens strictly more likely: tied with the top token that
-    ``topk`` picked, it is listed with rank 1 beside it (seen with a bf16 verifier)."""
-    entries = [None, {"9": {"logprob": -0.5, "rank": 1, "decoded_token": "a"},
+    """Ties are common with a bf16 verifier. vLLM lists a prompt token tied with the top token that
+    ``topk`` did not pick with rank 2 (it counts the tokens at least as likely); a server counting
+    the tokens strictly more likely lists it with rank 1 beside the top token: both give its target."""
+    entries = [None, {"9": {"logprob": -0.5, "rank": 2, "decoded_token": "a"},
                       "4": {"logprob": -0.5, "rank": 1, "decoded_token": "b"}}]  # fmt: skip
+    assert parse_target_ids(_result([5, 9], entries, (3,)), 1) == [4, 3]
+    entries[1]["9"]["rank"] = 1
     assert parse_target_ids(_result([5, 9], entries, (3,)), 1) == [4, 3]
     with pytest.raises(ProtocolError, match="rank 1 repeated"):
         parse_target_ids(_result([5, 9], [None, {**entries[1], "6": entries[1]["4"]}], (3,)), 1)
@@ -129,13 +132,38 @@ def test_reference_server_logprobs_equal_transformers_forward(tiny_model_dir):
     torch.testing.assert_close(got.top_logprobs, want.values, rtol=1e-5, atol=1e-5)
     nxt = torch.tensor(seqs[0][1:])
     torch.testing.assert_close(got.token_logprobs, lp.gather(1, nxt[:, None])[:, 0], rtol=1e-5, atol=1e-5)
-    ranks = (lp > lp.gather(1, nxt[:, None])).sum(-1) + 1
+    ranks = (lp >= lp.gather(1, nxt[:, None])).sum(-1)  # vLLM's rank: tokens at least as likely
     assert torch.equal(got.token_ranks, ranks)
     entries = prompt_logprobs_entries(seqs[0], got.top_ids.tolist(), got.top_logprobs.tolist(),
                                       got.token_logprobs.tolist(), got.token_ranks.tolist(), str)  # fmt: skip
     targets = parse_target_ids(_result(seqs[0], json.loads(json.dumps(entries)), (outs[0].next_token,)), 3)
     assert targets == logits.argmax(-1).tolist()  # the verifier's greedy token after every position
     ext.close()
+
+
+def test_reference_server_ranks_ties_as_vllm_does():
+    """Tied logits (bf16): vLLM counts the tokens at least as likely, and a prompt token that
+    ``topk`` picked takes its top-k rank (vLLM's dict keeps the later value under the first key)."""
+    import torch
+
+    from hsgen.serve.hidden import prompt_logprobs_of
+
+    last = torch.tensor([[0.0, 2.0, 2.0, 1.0], [0.0, 2.0, 2.0, 1.0], [3.0, 3.0, 3.0, 0.0]])
+    ids = [0, 1, 2, 3]  # token 1 ties the top (2.0), so does token 2; token 3 is below three
+    plp = prompt_logprobs_of(torch.nn.Identity(), last, ids, 1)
+    picked = plp.top_ids[:, 0].tolist()
+    assert plp.token_ranks.tolist() == [2, 2, 4]
+    entries = prompt_logprobs_entries(ids, plp.top_ids.tolist(), plp.top_logprobs.tolist(),
+                                      plp.token_logprobs.tolist(), plp.token_ranks.tolist(), str)  # fmt: skip
+    for i, entry in enumerate(entries[1:]):
+        prompt = str(ids[i + 1])
+        assert next(iter(entry)) == prompt
+        if picked[i] == ids[i + 1]:
+            assert list(entry) == [prompt] and entry[prompt]["rank"] == 1
+        else:
+            assert entry[prompt]["rank"] == plp.token_ranks[i] and entry[str(picked[i])]["rank"] == 1
+    got = parse_target_ids(_result(ids, json.loads(json.dumps(entries)), (9,)), 1)
+    assert got == [*picked, 9]
 
 
 def test_reference_server_answers_and_checks_prompt_logprobs_like_vllm(tmp_path):

@@ -111,3 +111,41 @@ def test_a_run_that_refused_samples_exits_non_zero_unless_the_loss_is_accepted(
         if code:
             last = r.stderr.strip().splitlines()[-1]
             assert "2 samples were refused" in last and "--accept-refused 2" in last, r.stderr[-2000:]
+
+
+@pytest.mark.timeout(900)
+def test_a_damaged_manifest_line_is_counted_as_lost_and_the_run_exits_non_zero(
+    tiny_store, tiny_model_dir, tmp_path
+):
+    """Issue 21, hole 6: a damaged add line dropped its sample from training without a count; the
+    summary counts it now (``samples_hidden``), the run exits 3 naming the way to recover it, and
+    ``hsgen verify`` names the sample from the shard's own table."""
+    import subprocess
+    import sys
+
+    from hsgen.store.verify import verify_report
+
+    store = tmp_path / "store"
+    shutil.copytree(tiny_store, store)
+    manifest = next((store / "manifests").glob("*.jsonl"))
+    lines = manifest.read_bytes().split(b"\n")
+    k = next(i for i, line in enumerate(lines) if line.startswith(b'{"op":"add"'))
+    victim = json.loads(lines[k])["id"]
+    lines[k] = lines[k][: len(lines[k]) // 2]  # a damaged line (not the torn last one)
+    manifest.write_bytes(b"\n".join(lines))
+    st = HiddenStateStore.open(store)
+    assert victim not in st.sample_ids() and st.samples_hidden() == 1
+    assert victim in verify_report(st).samples_affected
+    r = subprocess.run(
+        [sys.executable, "-m", "spectrain.cli", "train", "--store", str(store), "--verifier", str(tiny_model_dir),
+         "--block-size", "4", "--num-layers", "1", "--max-anchors", "16", "--total-seq-len", "256",
+         "--val-fraction", "0", "--epochs", "1", "--device", "cpu", "--save-path", str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 3, r.stderr[-2000:]
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    assert summary["samples_hidden"] == 1 and "samples_refused" not in summary
+    last = r.stderr.strip().splitlines()[-1]
+    assert "1 stored samples are hidden by damaged manifest lines" in last and "--accept-refused 1" in last, (
+        last
+    )

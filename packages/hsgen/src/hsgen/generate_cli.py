@@ -182,6 +182,11 @@ def generate(
     summary = asyncio.run(_run_with_signals(run_generate, cfg, prompts, store, show, count))
     summary.store = summary.store or str(store_path)
     click.echo(summary.to_json())  # a fatal error was logged once, on one line, by the run
+    from hsgen.run_report import failures_line
+
+    line = failures_line(summary)
+    if line:  # failed requests: one line on stderr, the detail in the failures file
+        click.echo(f"hsgen generate: {line}", err=True)
     sys.exit(summary.exit_code)
 
 

@@ -59,8 +59,10 @@ def prompt_logprobs_entries(
 ) -> list[dict[str, dict[str, Any]] | None]:
     """``choices[i].prompt_logprobs`` as vLLM writes it, from the distributions that predicted
     prompt tokens ``1..T-1`` (row ``i`` predicted token ``i + 1``): ``None``, then per token a map
-    whose first key is the prompt token (its own rank), then the top k in rank order (a prompt
-    token among them keeps its first place). ``-inf`` becomes ``-9999.0``, as vLLM clamps it;
+    whose first key is the prompt token (its own rank), then the top k in rank order; a prompt
+    token among them keeps its first place and takes its top-k rank, as vLLM's dict does (its
+    counted rank exceeds the top-k one when it ties a token ranked before it). ``-inf`` becomes
+    ``-9999.0``, as vLLM clamps it;
     ``decode(id)`` gives ``decoded_token`` (vLLM: the tokenizer's token string).
     """
     out: list[dict[str, dict[str, Any]] | None] = [None]
@@ -71,7 +73,7 @@ def prompt_logprobs_entries(
             )
         }
         for r, (tid, lp) in enumerate(zip(top_ids[i], top_logprobs[i], strict=True), start=1):
-            entry.setdefault(str(int(tid)), _logprob(lp, r, tid, decode))
+            entry[str(int(tid))] = _logprob(lp, r, tid, decode)
         out.append(entry)
     return out
 
@@ -88,10 +90,12 @@ def _logprob(value: float, rank: int, token: int, decode: Any) -> dict[str, Any]
 def _top_token(entry: Any, prompt_id: int, k: int, i: int) -> int:
     """The rank-1 token of ``prompt_logprobs[i]`` after checking the entry (see :func:`parse_target_ids`).
 
-    The prompt token's own rank counts the tokens strictly more likely, as vLLM's does, so a tie
-    can give it a rank the top k also hold (two rank-1 entries when it ties the top token without
-    being the one ``topk`` picked): the other keys must then hold ranks 1..k on their own, and the
-    target is theirs. When the prompt token is one of the top k, the other keys hold the rest.
+    vLLM (0.32, ``batched_count_greater_than``) ranks the prompt token by the tokens at least as
+    likely, itself included, so a prompt token tied with the top token that ``topk`` did not pick
+    is listed with rank 2 (or more) beside it; a server ranking by the tokens strictly more likely
+    would list it with rank 1 beside the top token. Either way, when the other keys hold ranks
+    1..k on their own the target is theirs; when the prompt token is one of the top k, the other
+    keys hold the rest.
     """
     if not isinstance(entry, Mapping):
         raise ProtocolError(f"prompt_logprobs[{i}] is not an object: {entry!r:.80}")

@@ -50,6 +50,8 @@ class GenerateSummary:
     retries: int = 0
     orphans_removed: int = 0
     failure_reasons: dict[str, int] = field(default_factory=dict)
+    first_failure: str | None = None
+    """``<input file:line>: <sample id>: <reason>: <message>`` of the first failed request."""
     fatal: str | None = None
     store: str = ""
     failures_file: str | None = None
@@ -179,6 +181,9 @@ class RunReport:
         A failures file that cannot be written (disk full) goes to ``on_write_error`` once.
         """
         self.reasons[reason] += 1
+        if reason not in NOT_FETCH_FAILURES and self.summary.first_failure is None:
+            where = f"{extra['source']}: " if extra.get("source") else ""
+            self.summary.first_failure = f"{where}{sample_id}: {reason}: {message}"
         try:
             self.failures.write({"sample_id": sample_id, "reason": reason, "error": message, **extra})
         except OSError as e:
@@ -217,6 +222,17 @@ class RunReport:
         else:
             s.status = {EXIT_OK: "ok", EXIT_PARTIAL: "partial"}.get(s.exit_code, "failed")
         return s
+
+
+def failures_line(s: GenerateSummary) -> str | None:
+    """The one stderr line of a run whose requests failed (None when none did, or when a fatal
+    error already said why): how many, by reason, the first one, and where the rest are listed."""
+    if not s.failed or s.fatal:
+        return None
+    reasons = ", ".join(f"{n} {r}" for r, n in sorted(s.failure_reasons.items(), key=lambda kv: -kv[1])
+                        if r not in NOT_FETCH_FAILURES)  # fmt: skip
+    where = f"; every one is listed in {s.failures_file}" if s.failures_file else ""
+    return f"{s.failed} prompts failed ({reasons}); the first: {s.first_failure}{where}"
 
 
 __all__ = [

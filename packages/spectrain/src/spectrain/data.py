@@ -212,6 +212,10 @@ class StoreSource:
     def consumed(self, sample_ids: Sequence[str]) -> None:
         """Offline data stays in the store."""
 
+    def samples_hidden(self) -> int:
+        """Stored samples that damaged manifest lines keep out of every plan (lost to this run)."""
+        return self.store.samples_hidden()
+
     def close(self) -> None:
         self._store = None
 

@@ -30,11 +30,11 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from spectrain.checkpoint import (
     LATEST,
     STATE_DIR,
+    CheckpointWriteError,
     check_resume,
     find_resume,
     full_states,
@@ -336,6 +336,9 @@ class Trainer:
         )
         if refused:
             summary["samples_refused"] = refused  # failed their check as read: skipped (warnings name them)
+        hidden = getattr(self.source, "samples_hidden", None)
+        if callable(hidden) and (n_hidden := hidden()):
+            summary["samples_hidden"] = n_hidden  # damaged manifest lines (warned at open): never planned
         stats = getattr(self.source, "stats", None)
         if callable(stats):  # online: samples generated, read, failed (see the failures file)
             summary["data"] = stats()
@@ -451,13 +454,24 @@ class Trainer:
             state = {"model": model_sd, "optimizer": optim_sd, "scheduler": self.optimizer.scheduler_state(),
                      "rng": rng_state(), "draft_config": self.draft_cfg.to_dict(), "loop": loop, "plans": plans}  # fmt: skip
             resolved = {"train": self.cfg.to_dict(), "draft": self.draft_cfg.to_dict(), "loop": loop}
-            write_checkpoint(self.save_path, name, state, resolved,
-                             lambda d: export_draft(self.module, d, verifier_name=self.verifier_name,
-                                                    architectures=self.verifier.info.architectures, state=model_sd))  # fmt: skip
-            prune_checkpoints(self.save_path, self.cfg.keep_checkpoints)
-            log.info("saved %s", final)
-        if self.info.enabled:
-            dist.barrier()
+            try:
+                write_checkpoint(self.save_path, name, state, resolved,
+                                 lambda d: export_draft(self.module, d, verifier_name=self.verifier_name,
+                                                        architectures=self.verifier.info.architectures,
+                                                        state=model_sd))  # fmt: skip
+            except CheckpointWriteError as e:
+                failed = e
+            else:
+                failed = None
+                prune_checkpoints(self.save_path, self.cfg.keep_checkpoints)
+                log.info("saved %s", final)
+        else:
+            failed = None
+        # every rank learns whether the save failed (instead of waiting at a barrier for rank 0)
+        if not all_min(int(failed is None), self.info):
+            raise failed or CheckpointWriteError(
+                f"{final}: rank 0 could not save the checkpoint (its line says why)"
+            )
         self.last_checkpoint = final
         return final
 

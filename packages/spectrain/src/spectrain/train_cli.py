@@ -469,8 +469,8 @@ TRAIN_SECTIONS: dict[str, tuple[str, ...]] = {
     type=click.IntRange(min=0),
     default=0,
     show_default=True,
-    help="Samples that may be refused as read (a checksum or value check failed; trained on nothing) "
-    "and still exit 0; more exit 3, the summary says how many.",
+    help="Samples that may be lost (refused as read: a checksum or value check failed; or hidden by "
+    "damaged manifest lines) and still exit 0; more exit 3, the summary says how many.",
 )
 @click.option(
     "--max-down",
@@ -494,6 +494,7 @@ def train(**params: Any) -> None:
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     from hsgen.store.errors import StoreError
+    from spectrain.checkpoint import CheckpointWriteError
     from spectrain.distributed import resolve_device
     from spectrain.train import train as run_train
     from spectrain.train_config import redact_secrets
@@ -511,7 +512,7 @@ def train(**params: Any) -> None:
 
         check_memory(cfg, resolve_device(cfg))
         summary = run_train(cfg)
-    except (ValueError, StoreError) as e:
+    except (ValueError, StoreError, CheckpointWriteError) as e:
         raise click.ClickException(str(e)) from None
     except (RuntimeError, OSError) as e:
         cause = _user_cause(e)
@@ -519,15 +520,29 @@ def train(**params: Any) -> None:
             raise
         raise click.ClickException(cause) from None
     refused = int(summary.get("samples_refused") or 0)
+    hidden = int(summary.get("samples_hidden") or 0)
     summary["refused_accepted"] = params.get("accept_refused") or 0
     if os.environ.get("RANK", "0") == "0":  # one summary line under torchrun, not one per rank
         click.echo(json.dumps(redact_secrets(summary), default=str))
-    if refused > summary["refused_accepted"]:  # lost data: a run that lost data exits non-zero
-        click.echo(f"Error: {refused} samples were refused as read and trained on nothing (the warnings above "
-                   f"name them); --accept-refused {refused} accepts that loss", err=True)  # fmt: skip
+    if refused + hidden > summary["refused_accepted"]:  # lost data: a run that lost data exits non-zero
+        click.echo(f"Error: {_lost_line(refused, hidden)}; --accept-refused {refused + hidden} accepts that loss",
+                   err=True)  # fmt: skip
         sys.exit(EXIT_LOST_DATA)
     if summary.get("stopped_by"):  # a checkpoint was saved; 128 + the signal, as a shell reports it
         sys.exit(128 + int(getattr(signal.Signals, summary["stopped_by"])))
+
+
+def _lost_line(refused: int, hidden: int) -> str:
+    """What a run lost, in words: samples refused as read, samples damaged manifest lines hid."""
+    parts = []
+    if refused:
+        parts.append(
+            f"{refused} samples were refused as read and trained on nothing (the warnings above name them)"
+        )
+    if hidden:
+        parts.append(f"{hidden} stored samples are hidden by damaged manifest lines and were never trained "
+                     "(hsgen verify names them, hsgen gc --repair recovers them)")  # fmt: skip
+    return "; ".join(parts)
 
 
 EXIT_LOST_DATA = 3

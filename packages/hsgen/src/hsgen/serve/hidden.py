@@ -173,7 +173,7 @@ class PromptLogprobs:
     top_ids: torch.Tensor  # [T-1, k] int64, best first
     top_logprobs: torch.Tensor  # [T-1, k] float32
     token_logprobs: torch.Tensor  # [T-1] float32, of the prompt token itself
-    token_ranks: torch.Tensor  # [T-1] int64, 1 + how many tokens are more likely
+    token_ranks: torch.Tensor  # [T-1] int64, tokens at least as likely, itself included (vLLM's rank)
 
 
 LOGPROB_ROWS = 1024
@@ -192,7 +192,7 @@ def prompt_logprobs_of(
         lp = torch.log_softmax(head(last[lo:hi]).float(), dim=-1)
         top = lp.topk(lp.shape[-1] if k == -1 else min(k, lp.shape[-1]), dim=-1)
         tok = lp.gather(1, nxt[lo:hi, None])
-        rank = (lp > tok).sum(-1) + 1
+        rank = (lp >= tok).sum(-1)
         parts.append((top.indices, top.values, tok[:, 0], rank))
     if not parts:
         empty = torch.empty(0, k)

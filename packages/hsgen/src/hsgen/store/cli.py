@@ -110,18 +110,29 @@ def status(store: str, as_json: bool, fast: bool, exact: bool) -> None:
     "--progress/--no-progress", default=None, help="Show a progress bar on stderr (default: if a TTY)."
 )
 def verify(store: str, as_json: bool, progress: bool | None) -> None:
-    """Check every sample's checksum and every shard's shapes in STORE.
+    """Check every sample's checksum, values and every shard's shapes in STORE.
 
-    Lists each failure and exits with status 1 if there is any, 0 when the store is healthy.
+    Lists each failure (naming every sample it affects) and exits with status 1 if there is any,
+    0 when the store is healthy.
     """
+    from .verify import verify_report
+
     s = _open(store)
-    problems = s.verify(progress=progress is not False)  # bar or log lines: see hsgen.progress
+    report = verify_report(s, progress=progress is not False)  # bar or log lines: see hsgen.progress
+    problems, affected = report.problems, report.samples_affected
     if as_json:
-        click.echo(json.dumps({"ok": not problems, "samples": len(s), "problems": problems}))
+        click.echo(
+            json.dumps(
+                {"ok": not problems, "samples": len(s), "problems": problems, "samples_affected": affected}
+            )
+        )
     else:
         for p in problems:
             click.echo(f"FAIL {p}")
-        click.echo(f"{len(s)} samples checked, {len(problems)} problems" + ("" if problems else ": OK"))
+        click.echo(
+            f"{len(s)} samples checked, {len(problems)} problems"
+            + (f", {len(affected)} samples affected" if problems else ": OK")
+        )
     if problems:
         sys.exit(1)
 

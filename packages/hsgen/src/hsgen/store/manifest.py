@@ -41,6 +41,9 @@ class ShardInfo:
     tokens: int
     nbytes: int
     codec: str
+    hidden: int = 0
+    """Samples the commit counts whose add lines are damaged: stored, yet no reader sees them
+    until ``hsgen gc --repair`` rebuilds the manifest (a trainer counts them as lost)."""
 
 
 @dataclass
@@ -205,6 +208,7 @@ class ManifestReplay:
                     self.shards[shard] = info
                     delta.committed.append(info)
                     if len(rows) != rec["samples"]:
+                        info.hidden = max(0, int(rec["samples"]) - len(rows))
                         # the intact rows stay readable; `hsgen gc --repair` recovers the others
                         self._problem(
                             name,

@@ -439,9 +439,16 @@ class HiddenStateStore:
                 "deleted_shards": len(self._replay.deleted),
                 "duplicates": self._duplicates,
                 "manifest_problems": len(self._replay.problems),
+                "samples_hidden": self.samples_hidden(),
                 "codec": self.header.codec,
                 "header": self.header.to_dict(),
             }
+
+    def samples_hidden(self) -> int:
+        """Live shards' samples that damaged manifest lines hide from readers (``hsgen verify``
+        names them, ``hsgen gc --repair`` recovers them); 0 in a healthy store."""
+        with self._lock:
+            return sum(s.hidden for s in self._live())
 
     def verify(self, *, progress: bool = False) -> list[str]:
         """Check every live sample's checksum and every shard's shapes; returns problems, [] if healthy."""

@@ -1,7 +1,13 @@
-"""Full check of a store: every live shard's metadata and shapes, every sample's checksum."""
+"""Full check of a store: every live shard's metadata and shapes, every sample's checksum and values.
+
+Every problem that costs samples names them: a shard that cannot be read (deleted directory,
+truncated file, bad metadata) gives one line per sample it holds, so a user knows what to
+regenerate; a sample whose stored values are NaN or infinite fails even under a valid checksum.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -18,10 +24,37 @@ if TYPE_CHECKING:
     from .store import HiddenStateStore
 
 
+@dataclass
+class VerifyReport:
+    """What :func:`verify_report` found."""
+
+    problems: list[str] = field(default_factory=list)
+    """One line each, naming the shard and, where samples are affected, each sample."""
+    samples_affected: list[str] = field(default_factory=list)
+    """Ids of the samples some problem names (unreadable, corrupt, not finite, or hidden by a
+    damaged manifest line), each once, in the order met."""
+
+    def add(self, message: str, sample_id: str | None = None) -> None:
+        self.problems.append(message)
+        if sample_id is not None and sample_id not in self._seen:
+            self._seen.add(sample_id)
+            self.samples_affected.append(sample_id)
+
+    def __post_init__(self) -> None:
+        self._seen: set[str] = set()
+
+
 def verify_store(store: HiddenStateStore, *, progress: bool = False) -> list[str]:
     """Problems found in ``store`` (one line each, naming the shard and sample); [] when healthy."""
+    return verify_report(store, progress=progress).problems
+
+
+def verify_report(store: HiddenStateStore, *, progress: bool = False) -> VerifyReport:
+    """Check ``store`` whole; the report names every sample a problem affects."""
     store.refresh()
-    problems = list(store._replay.problems)
+    report = VerifyReport()
+    for p in store._replay.problems:
+        report.add(p)
     live = store._live()
     bar = progress_bar(
         total=sum(s.tokens for s in live), unit="tok", unit_scale=True, disable=not progress, desc="verify"
@@ -30,18 +63,28 @@ def verify_store(store: HiddenStateStore, *, progress: bool = False) -> list[str
         try:
             reader = store._shard_reader(info.name)
         except StoreError as e:
-            problems.append(str(e))
+            _shard_lost(report, store, info, str(e))
             bar.update(info.tokens)
             continue
         try:
-            problems += _verify_shard(store, info, reader, bar)
+            _verify_shard(report, store, info, reader, bar)
         finally:
             reader.close()
     bar.close()
-    return problems
+    return report
 
 
-def _verify_shard(store: HiddenStateStore, info: ShardInfo, reader: ShardReader, bar) -> list[str]:
+def _shard_lost(report: VerifyReport, store: HiddenStateStore, info: ShardInfo, cause: str) -> None:
+    """``cause`` keeps the whole shard from being read: one line for it, one per sample it costs."""
+    report.add(cause)
+    where = store.path / info.name
+    for sid, *_ in info.rows:
+        report.add(f"{where}: sample {sid!r}: unreadable, its shard is damaged (above)", sid)
+
+
+def _verify_shard(
+    report: VerifyReport, store: HiddenStateStore, info: ShardInfo, reader: ShardReader, bar
+) -> None:
     where = store.path / info.name
     header = store.header
     problems = []
@@ -50,9 +93,7 @@ def _verify_shard(store: HiddenStateStore, info: ShardInfo, reader: ShardReader,
         problems += [f"{where}: shard header differs: {p}" for p in header.compatible_with(shard_header)]
         if reader.codec != info.codec:
             problems.append(f"{where}: shard codec {reader.codec!r} but manifest says {info.codec!r}")
-        table = {tuple(r) for r in reader.attrs["samples"]}
-        if any(row not in table for row in info.rows):
-            problems.append(f"{where}: sample table in zarr.json disagrees with the manifest")
+        _compare_tables(report, where, info, reader.attrs["samples"])
         expect = {
             "hidden_states": (
                 (info.tokens, header.num_layers, header.hidden_size),
@@ -72,8 +113,9 @@ def _verify_shard(store: HiddenStateStore, info: ShardInfo, reader: ShardReader,
                     f"{where}/{name}: shape {meta['shape']} {meta['data_type']}, expected {list(shape)} {dtype.name}"
                 )
         if problems:
+            _shard_lost(report, store, info, "; ".join(problems))
             bar.update(info.tokens)
-            return problems
+            return
         layout = reader._hidden_layout()
         if layout is not None:
             inner, row_bytes = layout
@@ -81,12 +123,15 @@ def _verify_shard(store: HiddenStateStore, info: ShardInfo, reader: ShardReader,
             want = n_chunks * inner * row_bytes + 16 * n_chunks + 4
             got = reader._files.size("hidden_states/c/0/0/0")
             if got != want:
-                problems.append(f"{where}/hidden_states/c/0/0/0: {got} bytes, expected {want}")
+                _shard_lost(
+                    report, store, info, f"{where}/hidden_states/c/0/0/0: {got} bytes, expected {want}"
+                )
                 bar.update(info.tokens)
-                return problems
+                return
     except (StoreError, OSError, KeyError, TypeError, ValueError) as e:
+        _shard_lost(report, store, info, "; ".join([*problems, f"{where}: unreadable shard metadata ({e})"]))
         bar.update(info.tokens)
-        return [*problems, f"{where}: unreadable shard metadata ({e})"]
+        return
     for sid, offset, length, checksum in info.rows:
         try:
             if offset + length > info.tokens:
@@ -100,7 +145,50 @@ def _verify_shard(store: HiddenStateStore, info: ShardInfo, reader: ShardReader,
                 raise ValueError("loss_mask holds values other than 0/1")
             if targets is not None and targets.size and targets.min() < 0:
                 raise ValueError("target_ids holds negative token ids")
+            bad = non_finite_count(
+                arrays[0], header.dtype, reader.codec, arrays[1] if reader.codec == "fp8" else None
+            )
+            if bad:
+                raise ValueError(
+                    f"{bad} hidden-state values are not finite (NaN or inf) under a valid checksum"
+                )
         except (StoreError, OSError, EOFError, ValueError) as e:
-            problems.append(f"{where}: sample {sid!r}: {e}")
+            report.add(f"{where}: sample {sid!r}: {e}", sid)
         bar.update(length)
-    return problems
+
+
+def _compare_tables(report: VerifyReport, where, info: ShardInfo, table_rows) -> None:
+    """Name each sample whose row in the shard's own table differs from the manifest's, and each
+    sample of the table that no intact manifest line holds (a damaged add line hides it)."""
+    table = {r[0]: tuple(r) for r in table_rows}
+    listed = set()
+    for row in info.rows:
+        listed.add(row[0])
+        own = table.get(row[0])
+        if own != tuple(row):
+            said = "missing" if own is None else f"(offset, length, checksum) {tuple(own[1:])}"
+            report.add(
+                f"{where}: sample {row[0]!r}: the shard's table in zarr.json says {said}, the manifest "
+                f"{tuple(row[1:])}",
+                row[0],
+            )
+    for sid in table:
+        if sid not in listed:
+            report.add(
+                f"{where}: sample {sid!r}: in the shard but in no intact manifest line (hsgen gc --repair "
+                "recovers it)",
+                sid,
+            )
+
+
+def non_finite_count(hidden: np.ndarray, dtype: str, codec: str, scale: np.ndarray | None = None) -> int:
+    """How many values of ``hidden`` (stored form: bf16 as uint16, fp8 as uint8 e4m3 with its float32
+    ``scale``) are NaN or infinite, read from the bit patterns (no decode)."""
+    if codec == "fp8":
+        bad = int(np.count_nonzero((hidden & 0x7F) == 0x7F))  # e4m3fn: NaN only, no inf
+        if scale is not None:
+            bad += int(np.count_nonzero(~np.isfinite(scale)))
+        return bad
+    if dtype == "bfloat16":
+        return int(np.count_nonzero((hidden & 0x7F80) == 0x7F80))
+    return int(hidden.size - np.count_nonzero(np.isfinite(hidden)))
