@@ -38,7 +38,9 @@ def _dry_run(tiny_store, tiny_model_dir, tmp_path, algorithm, *before):
     return CliRunner().invoke(main, argv)
 
 
-def test_plugin_flag_and_environment_register_an_algorithm(plugin_dir, tiny_store, tiny_model_dir, monkeypatch):
+def test_plugin_flag_and_environment_register_an_algorithm(
+    plugin_dir, tiny_store, tiny_model_dir, monkeypatch
+):
     (plugin_dir / "my_flag_plugin.py").write_text(PLUGIN.format(name="myflagdraft"))
     res = _dry_run(tiny_store, tiny_model_dir, plugin_dir, "myflagdraft")
     assert res.exit_code != 0 and "--plugin MODULE" in res.output, res.output
