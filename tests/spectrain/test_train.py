@@ -148,13 +148,16 @@ def _signal_after_three_steps(cmd, env, save: Path, sig) -> tuple[subprocess.Pop
     """Start ``cmd``, send ``sig`` once three steps are logged; the process, its stdout and stderr."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
-        deadline = time.time() + 600
+        deadline = time.time() + 600  # start-up alone took over 120 s at load 23 on 2 cores
         metrics = save / "metrics.jsonl"
+        stepped = False
         while time.time() < deadline and proc.poll() is None:
             if metrics.is_file() and len(metrics.read_text().splitlines()) >= 3:
+                stepped = True
                 break
             time.sleep(0.05)
         assert proc.poll() is None, proc.stderr.read()[-2000:]
+        assert stepped, "three steps not logged within 600 s"  # a signal before the loop would test nothing
         proc.send_signal(sig)
         out, err = proc.communicate(timeout=600)
     finally:
