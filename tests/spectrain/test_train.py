@@ -130,7 +130,7 @@ def test_kill_mid_epoch_then_resume(tiny_store, tiny_model_dir, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     try:
-        deadline = time.time() + 120
+        deadline = time.time() + 600
         while time.time() < deadline and not (save / "latest").is_file():
             time.sleep(0.05)
         assert (save / "latest").is_file(), "no checkpoint appeared"
@@ -159,7 +159,7 @@ def _signal_after_three_steps(cmd, env, save: Path, sig) -> tuple[subprocess.Pop
         assert proc.poll() is None, proc.stderr.read()[-2000:]
         assert stepped, "three steps not logged within 600 s"  # a signal before the loop would test nothing
         proc.send_signal(sig)
-        out, err = proc.communicate(timeout=300)
+        out, err = proc.communicate(timeout=600)
     finally:
         proc.kill()
     return proc, out, err
@@ -243,7 +243,7 @@ def test_metric_reduction_with_a_rank_without_loss_tokens(tmp_path, algorithm, e
     ctx = mp.spawn(
         metrics_rank, args=(2, _free_port(), algorithm, empty, str(tmp_path)), nprocs=2, join=False
     )
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 600
     while not ctx.join(timeout=1):
         if time.monotonic() > deadline:
             for p in ctx.processes:
