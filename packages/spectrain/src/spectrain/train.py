@@ -59,7 +59,7 @@ from spectrain.distributed import (
 from spectrain.export import export_draft
 from spectrain.loader import BufferPool
 from spectrain.metrics import LogWindow, MetricsLog, MetricSums, train_record
-from spectrain.optim import Optimizers, build_optimizers, lr_lambda
+from spectrain.optim import MuonSplit, Optimizers, build_optimizers, lr_lambda
 from spectrain.signals import StopSignals
 from spectrain.step import NonFiniteTraining, StepChecks, StepResult, step_generator, train_step
 from spectrain.train_config import REDACTED, SECRET_FIELDS, TrainConfig, load_config_file, redact_secrets
@@ -150,6 +150,8 @@ class Trainer:
                 self.wrapped, cfg.optim_config(self.draft_cfg.default_optimizer),
                 lambda s: lr_lambda(s, self.total_steps, warm, cfg.schedule, cfg.min_lr_ratio),
                 fused=True,  # fused AdamW skips a non-finite step on the device (spectrain.step)
+                # DDP ranks share Muon's Newton-Schulz work; FSDP's matrices are sharded (decisions.md)
+                split=MuonSplit(self.info.rank, self.info.world_size) if self._mode() == "ddp" else None,
             )  # fmt: skip
             self.global_step = 0
             self.epoch = 0
