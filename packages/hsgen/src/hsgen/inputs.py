@@ -242,7 +242,12 @@ def _sharegpt_messages(value: Any, source: str) -> list[dict[str, Any]]:
 
 
 def _jsonl_records(f: IO, name: str) -> Iterator[tuple[str, Any]]:
-    """Records of a JSONL stream (bytes or text); a line that is not UTF-8 or not JSON yields its error."""
+    """Records of a JSONL stream (bytes or text); a line that is not UTF-8 or not JSON yields its error.
+
+    Raises:
+        InputError: the stream is a JSON document (an array, a pretty-printed object), not JSONL.
+    """
+    first = True
     for lineno, raw in enumerate(f, 1):
         source = f"{name}:{lineno}"
         if isinstance(raw, bytes):
@@ -259,9 +264,32 @@ def _jsonl_records(f: IO, name: str) -> Iterator[tuple[str, Any]]:
         if not line.strip():
             continue
         try:
-            yield source, json.loads(line)
+            rec = json.loads(line)
         except json.JSONDecodeError as e:
+            if first:
+                _refuse_whole_json(name, line)
             yield source, InputError(source, f"invalid JSON: {e.msg} (column {e.colno})")
+        else:
+            if first and isinstance(rec, list):
+                raise InputError(
+                    name, "is one JSON array, not JSON Lines (one object per line): name it .json"
+                )
+            yield source, rec
+        first = False
+
+
+def _refuse_whole_json(name: str, first_line: str) -> None:
+    """A JSONL input whose first line is the start of a pretty-printed JSON document (``[`` or
+    ``{`` alone, or an array left open) is the wrong format, not a file of bad lines: refuse it
+    whole, whatever ``--on-bad-input`` says (skipping would skip every line and store nothing)."""
+    head = first_line.strip()
+    if head in ("[", "{") or head.startswith(("[{", "[ {", '["')):
+        kind = "array" if head.startswith("[") else "object"
+        raise InputError(
+            name,
+            f"is a pretty-printed JSON {kind}, not JSON Lines (one object per line): name it .json, "
+            "or write one object per line",
+        )
 
 
 def _json_records(path: Path) -> Iterator[tuple[str, Any]]:

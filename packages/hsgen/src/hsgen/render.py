@@ -7,11 +7,17 @@ the ids equal ``AutoTokenizer.apply_chat_template(..., tokenize=True)``. ``impor
 transformers`` would import torch when it is installed; hsgen outside ``hsgen.serve`` never
 does.
 
-The loss mask marks the tokens of every assistant turn (content and end-of-turn marker):
-``loss_mask[t] == 1`` when token ``t`` belongs to an assistant reply, i.e. the draft is
-trained to predict it. Assistant spans are found by rendering each conversation prefix
-incrementally, which works for any template whose prefixes render as prefixes; other
-templates fall back to locating the assistant content in the full rendering.
+The loss mask marks what the verifier generates in every assistant turn: everything after the
+template's generation prompt (a harmony channel header, a rendered ``<think>`` block, the
+content) through the turn's end-of-turn token, and nothing the template adds after it (the
+newline after ``<|im_end|>`` / ``<end_of_turn>``). ``loss_mask[t] == 1`` when the draft is
+trained to predict token ``t``. Assistant spans are found by rendering each conversation
+prefix incrementally, which works for any template whose prefixes render as prefixes; other
+templates (an earlier turn rendered differently once a later turn follows: gpt-oss's
+``<|end|>`` for ``<|return|>``, Qwen3's dropped reasoning; a system prompt moved into the last
+user turn; a generation prompt the turn itself does not repeat) fall back to locating the
+assistant content in the full rendering, after the preceding turn. The real templates of
+every family are checked in ``tests/hsgen/test_family_chat_masks.py``.
 """
 
 from __future__ import annotations
@@ -207,6 +213,7 @@ class ChatRenderer:
             raise ValueError(f"max_len must be >= 1, got {config.max_len}")
         self.config = config
         self._tokenizer = None
+        self._added: list[str] = []
         self._template = None
         self._template_source: str | None = None
         self._special: dict[str, Any] = {}
@@ -240,6 +247,11 @@ class ChatRenderer:
         extra = cfg.get("additional_special_tokens") or cfg.get("extra_special_tokens")
         if isinstance(extra, list):
             self._special["additional_special_tokens"] = [_token_text(t) for t in extra]
+        self._added = sorted(
+            {t.content for t in self._tokenizer.get_added_tokens_decoder().values() if t.content},
+            key=len,
+            reverse=True,
+        )
         self._template_source = load_chat_template(path, self.config.chat_template)
         if self._template_source is not None:
             self._template = compile_chat_template(self._template_source)
@@ -304,7 +316,7 @@ class ChatRenderer:
         full: str,
         tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[tuple[int, int]]:
-        """Character spans of each assistant turn in ``full`` (the whole conversation rendered)."""
+        """Character spans of what the verifier generates in each assistant turn of ``full``."""
         spans: list[tuple[int, int]] = []
         cursor = 0
         for i, m in enumerate(messages):
@@ -313,15 +325,15 @@ class ChatRenderer:
             pre = self._safe_prefix(messages[:i], tools)
             upto = self.apply_template(messages[: i + 1], tools=tools)
             if pre is not None and upto.startswith(pre) and full.startswith(upto) and len(pre) >= cursor:
-                spans.append((len(pre), len(upto)))
-                cursor = len(upto)
-                continue
-            span = self._locate(m, full, cursor, pre, upto)
-            if span is None:
-                raise RenderError(
-                    f"cannot find assistant turn {i} in the rendered conversation: the chat template "
-                    "rewrites it (render with the server, or pass a loss_mask with input_ids)"
-                )
+                span = (len(pre), len(upto))
+            else:
+                span = self._locate(messages, i, full, cursor, pre, upto)
+                if span is None:
+                    raise RenderError(
+                        f"cannot find assistant turn {i} in the rendered conversation: the chat template "
+                        "rewrites it (render with the server, or pass a loss_mask with input_ids)"
+                    )
+            span = self._trim_after_end(full, span)
             spans.append(span)
             cursor = span[1]
         return spans
@@ -334,20 +346,33 @@ class ChatRenderer:
                 return ""
             return None
 
-    @staticmethod
-    def _locate(message: Mapping[str, Any], full: str, cursor: int, pre: str | None, upto: str):
-        content = message.get("content")
-        if isinstance(content, list):
-            content = "".join(p.get("text", "") for p in content if isinstance(p, Mapping))
-        if not isinstance(content, str) or not content.strip():
+    def _locate(self, messages, i: int, full: str, cursor: int, pre: str | None, upto: str):
+        """Span of assistant turn ``i`` in ``full`` when its prefixes do not render as prefixes.
+
+        The turn starts where the generation prompt ends when ``full`` starts with it, else at its
+        content; the content is looked for after the preceding message's own text (so a user turn
+        quoting the reply is never taken for it). The turn ends after the text that follows the
+        content when it renders last, or else after the one added token (its end-of-turn marker)
+        right after the content.
+        """
+        content = _text_of(messages[i])
+        if not content.strip():
             return None
         content = content.strip()
+        generated_from = len(pre) if pre is not None and full.startswith(pre) and len(pre) >= cursor else None
+        floor = cursor if generated_from is None else generated_from
+        previous = (
+            _text_of(messages[i - 1]).strip() if i and messages[i - 1].get("role") != "assistant" else ""
+        )
+        if generated_from is None and previous:
+            k = full.find(previous, floor)
+            if k >= 0:
+                floor = k + len(previous)
         # reasoning templates drop the <think> block of earlier turns: try the visible answer
-        candidates = [content, content.split("</think>")[-1].strip()]
         idx = -1
-        for cand in candidates:
+        for cand in (content, content.split("</think>")[-1].strip()):
             if cand:
-                idx = full.find(cand, cursor)
+                idx = full.find(cand, floor)
                 if idx >= 0:
                     content = cand
                     break
@@ -356,11 +381,21 @@ class ChatRenderer:
         end = idx + len(content)
         segment = upto[len(pre) :] if pre is not None and upto.startswith(pre) else upto
         k = segment.rfind(content)
-        if k >= 0:
-            tail = segment[k + len(content) :]
-            if tail and full.startswith(tail, end):
-                end += len(tail)
-        return idx, end
+        tail = segment[k + len(content) :] if k >= 0 else ""
+        if tail and full.startswith(tail, end):
+            end += len(tail)
+        else:
+            marker = next((t for t in self._added if full.startswith(t, end)), None)
+            if marker is not None:
+                end += len(marker)
+        return (idx if generated_from is None else generated_from), end
+
+    @staticmethod
+    def _trim_after_end(full: str, span: tuple[int, int]) -> tuple[int, int]:
+        """``span`` without the whitespace a template writes after the turn (``<|im_end|>\\n``)."""
+        a, b = span
+        kept = len(full[a:b].rstrip())
+        return (a, a + kept) if kept else span
 
     # ---------------------------------------------------------------- samples
 
@@ -407,6 +442,14 @@ class ChatRenderer:
 
     def _limit(self, p: RenderedPrompt) -> RenderedPrompt:
         return limit_length(p, self.config.max_len, self.config.on_too_long)
+
+
+def _text_of(message: Mapping[str, Any]) -> str:
+    """The text of a message's ``content`` (the text parts of a list), "" when it has none."""
+    content = message.get("content")
+    if isinstance(content, list):
+        content = "".join(p.get("text", "") for p in content if isinstance(p, Mapping))
+    return content if isinstance(content, str) else ""
 
 
 def limit_length(p: RenderedPrompt, max_len: int | None, on_too_long: str) -> RenderedPrompt:

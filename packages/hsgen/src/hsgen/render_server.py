@@ -92,6 +92,8 @@ async def render_messages_with_server(
 
     The mask comes from rendering each prefix: the ids of ``messages[:i]`` plus the generation
     prompt must be a prefix of the ids of ``messages[:i+1]``, which must be a prefix of the whole.
+    As in local rendering, the turn's trailing whitespace tokens (found with ``POST /detokenize``)
+    are not trained.
 
     Args:
         session: an ``aiohttp.ClientSession``.
@@ -120,6 +122,18 @@ async def render_messages_with_server(
             raise RenderError(f"{url} returned no token_ids")
         return [int(t) for t in ids]
 
+    async def is_blank(token: int) -> bool:
+        body = {"model": model, "tokens": [token]}
+        async with session.post(detokenize_url, json=body, headers=auth_headers(api_key)) as r:
+            data = await r.json(content_type=None)
+            if r.status != 200:
+                raise _refusal(detokenize_url, r.status, data)
+        text = data.get("prompt") if isinstance(data, Mapping) else None
+        if not isinstance(text, str):
+            raise RenderError(f"{detokenize_url} returned no prompt")
+        return not text.strip()
+
+    detokenize_url = base_url.rstrip("/") + "/detokenize"
     full = await ids_of(messages, False)
     mask = [0] * len(full)
     for i, m in enumerate(messages):
@@ -131,7 +145,10 @@ async def render_messages_with_server(
             raise RenderError(
                 f"the server's chat template does not render assistant turn {i} as a prefix: use local rendering"
             )
-        for t in range(len(pre), len(upto)):
+        end = len(upto)
+        while end > len(pre) + 1 and await is_blank(upto[end - 1]):
+            end -= 1  # the template's whitespace after the turn (``<|im_end|>\\n``) is not generated
+        for t in range(len(pre), end):
             mask[t] = 1
     return full, mask
 

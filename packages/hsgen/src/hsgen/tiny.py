@@ -88,10 +88,19 @@ def _sample_chat_texts() -> Iterable[str]:
             yield f"<|im_start|>{message['role']}\n{message['content']}<|im_end|>\n"
 
 
-def build_tokenizer(texts: Iterable[str], vocab_size: int):
+def build_tokenizer(
+    texts: Iterable[str],
+    vocab_size: int,
+    *,
+    special_tokens: Iterable[str] = SPECIAL_TOKENS,
+    chat_template: str = CHATML_TEMPLATE,
+    **token_names: str,
+):
     """Train a byte-level BPE tokenizer (GPT-2/Qwen style) with ChatML special tokens.
 
     Returns a ``transformers.PreTrainedTokenizerFast`` with the ChatML chat template set.
+    ``special_tokens``, ``chat_template`` and ``token_names`` (``eos_token``, ``bos_token``,
+    ``pad_token``) give another family's (the chat-template tests build one per family).
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
@@ -102,18 +111,14 @@ def build_tokenizer(texts: Iterable[str], vocab_size: int):
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=list(special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tokenizer.train_from_iterator(texts, trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        clean_up_tokenization_spaces=False,
-    )
-    fast.chat_template = CHATML_TEMPLATE
+    names = token_names or {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, clean_up_tokenization_spaces=False, **names)
+    fast.chat_template = chat_template
     return fast
 
 

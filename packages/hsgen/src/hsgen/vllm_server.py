@@ -54,35 +54,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def extraction_args(
-    layer_ids: Sequence[int], shared_dir: str | os.PathLike[str], *, cpu: bool = True
-) -> list[str]:
-    """The flags of an extraction server (``extract_hidden_states`` + the hidden-states connector).
-
-    ``cpu``: use :class:`hsgen.vllm_connector.CPUHiddenStatesConnector` (vLLM's own
-    ``ExampleHiddenStatesConnector`` otherwise, which needs a GPU).
-    """
-    spec = {
-        "method": "extract_hidden_states",
-        "num_speculative_tokens": 1,
-        "draft_model_config": {
-            "hf_config": {"eagle_aux_hidden_state_layer_ids": [int(i) for i in layer_ids]}
-        },
-    }
-    kv = {
-        "kv_connector": "CPUHiddenStatesConnector" if cpu else "ExampleHiddenStatesConnector",
-        "kv_role": "kv_producer",
-        "kv_connector_extra_config": {"shared_storage_path": str(shared_dir)},
-    }
-    if cpu:
-        kv["kv_connector_module_path"] = "hsgen.vllm_connector"
-    return [
-        "--speculative-config", json.dumps(spec),
-        "--kv-transfer-config", json.dumps(kv),
-        "--no-enable-prefix-caching",
-    ]  # fmt: skip
-
-
 def speculative_args(
     draft_dir: str | os.PathLike[str], method: str, num_speculative_tokens: int
 ) -> list[str]:
@@ -140,21 +111,40 @@ def start_server(
     model: str | os.PathLike[str],
     args: Sequence[str] = (),
     *,
+    startup_timeout_s: float = 600.0,
+    **launch_kw,
+) -> VllmServer:
+    """Start vLLM on ``model`` (:func:`launch_server`) and wait (at most ``startup_timeout_s``)
+    until ``/health`` answers.
+
+    Raises :class:`VllmStartError` (with the log's tail) when the process dies or the wait runs out;
+    the process group is killed first.
+    """
+    server = launch_server(model, args, **launch_kw)
+    try:
+        wait_healthy(server, startup_timeout_s)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def launch_server(
+    model: str | os.PathLike[str],
+    args: Sequence[str] = (),
+    *,
     python: str | os.PathLike[str] | None = None,
     port: int | None = None,
     log_path: str | os.PathLike[str],
-    startup_timeout_s: float = 600.0,
     dtype: str = "float32",
     max_model_len: int = 2048,
     kv_cache_gib: int = 1,
     served_model_name: str | None = None,
     env: dict[str, str] | None = None,
 ) -> VllmServer:
-    """Start vLLM on ``model`` and wait (at most ``startup_timeout_s``) until ``/health`` answers.
-
-    Raises :class:`VllmStartError` (with the log's tail) when the process dies or the wait runs out;
-    the process group is killed first. Eager mode: no compilation, so the CPU start stays bounded.
-    """
+    """Start vLLM on ``model`` without waiting for it (several servers start side by side; each
+    start is mostly single-threaded imports). Eager mode: no compilation, so a CPU start stays
+    bounded. Wait with :func:`wait_healthy`; stop with :meth:`VllmServer.stop`."""
     python = Path(python) if python else vllm_python()
     port = port or free_port()
     argv = [
@@ -165,6 +155,21 @@ def start_server(
         *(["--served-model-name", served_model_name] if served_model_name else []),
         *args,
     ]  # fmt: skip
+    return launch_argv(argv, f"http://127.0.0.1:{port}", log_path=log_path, model=str(served_model_name or model),
+                       kv_cache_gib=kv_cache_gib, env=env)  # fmt: skip
+
+
+def launch_argv(
+    argv: Sequence[str],
+    url: str,
+    *,
+    log_path: str | os.PathLike[str],
+    model: str,
+    kv_cache_gib: int = 1,
+    env: dict[str, str] | None = None,
+) -> VllmServer:
+    """Start a vLLM command line as it is (e.g. what ``hsgen vllm-command --json`` printed) in its
+    own process group, output to ``log_path``, our connector importable, nothing sent home."""
     full_env = dict(os.environ)
     full_env.update({
         "PYTHONPATH": os.pathsep.join(p for p in (str(HSGEN_SRC), full_env.get("PYTHONPATH", "")) if p),
@@ -181,15 +186,9 @@ def start_server(
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
-        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        process = subprocess.Popen(list(argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                    env=full_env, start_new_session=True)  # fmt: skip
-    server = VllmServer(process, f"http://127.0.0.1:{port}", log_path, str(served_model_name or model), argv)
-    try:
-        wait_healthy(server, startup_timeout_s)
-    except BaseException:
-        server.stop()
-        raise
-    return server
+    return VllmServer(process, url, log_path, model, list(argv))
 
 
 def wait_healthy(server: VllmServer, timeout_s: float) -> float:

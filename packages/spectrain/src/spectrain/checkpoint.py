@@ -9,10 +9,12 @@ cursor and the epoch plans) and ``train_config.json`` (the resolved config, secr
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import random
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -32,6 +34,14 @@ log = logging.getLogger(__name__)
 
 STATE_DIR = "trainer"
 LATEST = "latest"
+
+SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT})
+"""Write errors that mean "no room": disk full, file over a size limit, quota exceeded."""
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint did not fit (one line: the path, the space it needs, what is free). Nothing of
+    it is left behind, and the previous checkpoint and ``latest`` are untouched."""
 
 
 def rng_state() -> dict[str, Any]:
@@ -144,22 +154,87 @@ def write_checkpoint(
     export: Callable[[Path], None],
 ) -> Path:
     """Write ``save_path/name`` atomically (``export`` fills the servable part, then the trainer
-    state and the redacted resolved config) and point ``latest`` at it."""
+    state and the redacted resolved config) and point ``latest`` at it.
+
+    Raises:
+        CheckpointWriteError: less space is free than the checkpoint needs (checked before a byte
+            is written), or a write ran out of room; the half-written directory is removed and
+            ``latest`` still names the checkpoint before.
+    """
     final = save_path / name
     tmp = save_path / f".tmp-{name}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    (tmp / STATE_DIR).mkdir(parents=True)
-    export(tmp)
-    torch.save(state, tmp / STATE_DIR / "state.pt")
-    (tmp / STATE_DIR / "train_config.json").write_text(json.dumps(redact_secrets(resolved), indent=2) + "\n")
+    latest_tmp = save_path / (LATEST + ".tmp")
+    need = checkpoint_bytes(state)
+    free = shutil.disk_usage(save_path).free
+    if free < need:
+        raise CheckpointWriteError(_no_room(final, need, free, "not enough free space"))
+    try:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        (tmp / STATE_DIR).mkdir(parents=True)
+        export(tmp)
+        with open(
+            tmp / STATE_DIR / "state.pt", "wb"
+        ) as f:  # a file object: torch keeps the OSError as context
+            torch.save(state, f)
+        (tmp / STATE_DIR / "train_config.json").write_text(
+            json.dumps(redact_secrets(resolved), indent=2) + "\n"
+        )
+        latest_tmp.write_text(name + "\n")
+    except Exception as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        latest_tmp.unlink(missing_ok=True)
+        cause = _space_error(e)
+        if cause is None:
+            raise
+        raise CheckpointWriteError(_no_room(final, need, shutil.disk_usage(save_path).free, cause)) from None
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
-    latest_tmp = save_path / (LATEST + ".tmp")
-    latest_tmp.write_text(name + "\n")
     os.replace(latest_tmp, save_path / LATEST)
     return final
+
+
+def checkpoint_bytes(state: dict[str, Any]) -> int:
+    """Bytes a checkpoint of ``state`` needs on disk, about: every tensor of the trainer state, the
+    fp32 weights once more for the servable export, and 1 MiB of metadata."""
+    total = 0
+
+    def walk(x: Any) -> None:
+        nonlocal total
+        if isinstance(x, torch.Tensor):
+            total += x.numel() * x.element_size()
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, list | tuple):
+            for v in x:
+                walk(v)
+
+    walk(state)
+    walk(state.get("model", {}))
+    return total + (1 << 20)
+
+
+def _space_error(e: BaseException) -> str | None:
+    """The "no room" reason (``strerror``) somewhere in ``e``'s chain, or None for another error.
+    torch keeps the OSError as the context of its own error; safetensors names only ``os error N``."""
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in SPACE_ERRNOS:
+            return seen.strerror or os.strerror(seen.errno)
+        m = re.search(r"os error (\d+)", str(seen))
+        if m and int(m.group(1)) in SPACE_ERRNOS:
+            return os.strerror(int(m.group(1)))
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def _no_room(final: Path, need: int, free: int, why: str) -> str:
+    return (
+        f"{final}: cannot save the checkpoint ({why}): it needs about {need / 2**20:.1f} MiB free in "
+        f"{final.parent}, {free / 2**20:.1f} MiB are; nothing was written, `latest` still names the previous one"
+    )
 
 
 def prune_checkpoints(save_path: Path, keep: int | None) -> None:

@@ -30,11 +30,11 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from spectrain.checkpoint import (
     LATEST,
     STATE_DIR,
+    CheckpointWriteError,
     check_resume,
     find_resume,
     full_states,
@@ -59,7 +59,7 @@ from spectrain.distributed import (
 from spectrain.export import export_draft
 from spectrain.loader import BufferPool
 from spectrain.metrics import LogWindow, MetricsLog, MetricSums, train_record
-from spectrain.optim import Optimizers, build_optimizers, lr_lambda
+from spectrain.optim import MuonSplit, Optimizers, build_optimizers, lr_lambda
 from spectrain.signals import StopSignals
 from spectrain.step import NonFiniteTraining, StepChecks, StepResult, step_generator, train_step
 from spectrain.train_config import REDACTED, SECRET_FIELDS, TrainConfig, load_config_file, redact_secrets
@@ -146,6 +146,8 @@ class Trainer:
                 self.wrapped, cfg.optim_config(self.draft_cfg.default_optimizer),
                 lambda s: lr_lambda(s, self.total_steps, warm, cfg.schedule, cfg.min_lr_ratio),
                 fused=True,  # fused AdamW skips a non-finite step on the device (spectrain.step)
+                # DDP ranks share Muon's Newton-Schulz work; FSDP's matrices are sharded (decisions.md)
+                split=MuonSplit(self.info.rank, self.info.world_size) if self._mode() == "ddp" else None,
             )  # fmt: skip
             self.global_step = 0
             self.epoch = 0
@@ -454,13 +456,24 @@ class Trainer:
             state = {"model": model_sd, "optimizer": optim_sd, "scheduler": self.optimizer.scheduler_state(),
                      "rng": rng_state(), "draft_config": self.draft_cfg.to_dict(), "loop": loop, "plans": plans}  # fmt: skip
             resolved = {"train": self.cfg.to_dict(), "draft": self.draft_cfg.to_dict(), "loop": loop}
-            write_checkpoint(self.save_path, name, state, resolved,
-                             lambda d: export_draft(self.module, d, verifier_name=self.verifier_name,
-                                                    architectures=self.verifier.info.architectures, state=model_sd))  # fmt: skip
-            prune_checkpoints(self.save_path, self.cfg.keep_checkpoints)
-            log.info("saved %s", final)
-        if self.info.enabled:
-            dist.barrier()
+            try:
+                write_checkpoint(self.save_path, name, state, resolved,
+                                 lambda d: export_draft(self.module, d, verifier_name=self.verifier_name,
+                                                        architectures=self.verifier.info.architectures,
+                                                        state=model_sd))  # fmt: skip
+            except CheckpointWriteError as e:
+                failed = e
+            else:
+                failed = None
+                prune_checkpoints(self.save_path, self.cfg.keep_checkpoints)
+                log.info("saved %s", final)
+        else:
+            failed = None
+        # every rank learns whether the save failed (instead of waiting at a barrier for rank 0)
+        if not all_min(int(failed is None), self.info):
+            raise failed or CheckpointWriteError(
+                f"{final}: rank 0 could not save the checkpoint (its line says why)"
+            )
         self.last_checkpoint = final
         return final
 

@@ -494,6 +494,7 @@ def train(**params: Any) -> None:
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     from hsgen.store.errors import StoreError
+    from spectrain.checkpoint import CheckpointWriteError
     from spectrain.distributed import resolve_device
     from spectrain.train import train as run_train
     from spectrain.train_config import redact_secrets
@@ -511,7 +512,7 @@ def train(**params: Any) -> None:
 
         check_memory(cfg, resolve_device(cfg))
         summary = run_train(cfg)
-    except (ValueError, StoreError) as e:
+    except (ValueError, StoreError, CheckpointWriteError) as e:
         raise click.ClickException(str(e)) from None
     except (RuntimeError, OSError) as e:
         cause = _user_cause(e)

@@ -40,6 +40,7 @@ class PromptSet:
                     )
                     continue
                 self.inputs[sample.sample_id] = sample
+            _warn_no_assistant_turn(config.prompts, self.inputs.values())
         if not self.inputs:
             raise ValueError(f"--prompts {config.prompts}: no samples")
         frac = config.validation_fraction
@@ -92,3 +93,19 @@ class PromptSet:
                 text = s.prompt or json.dumps([dict(m) for m in s.messages or ()])
                 out.append(len(text) // 4 + 8)
         return out
+
+
+def _warn_no_assistant_turn(prompts: Any, samples) -> int:
+    """One warning for the chats with no assistant turn (their loss masks are all 0: nothing in
+    them is trained on), as ``hsgen generate`` counts them; returns how many."""
+    empty = [
+        s
+        for s in samples
+        if s.kind == "messages" and not any(m.get("role") == "assistant" for m in s.messages)
+    ]
+    if empty:
+        log.warning(
+            "--prompts %s: %d chats have no assistant turn: their loss masks are all 0, nothing in them is "
+            "trained on (the first: %s)", prompts, len(empty), empty[0].source or repr(empty[0].sample_id),
+        )  # fmt: skip
+    return len(empty)
