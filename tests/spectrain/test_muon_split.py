@@ -60,3 +60,23 @@ def test_two_ranks_split_equals_unsplit_and_resumes(tmp_path):
                     assert torch.equal(v, sb["state"][i][key]), (i, key)
     assert r[0]["split_calls"] + r[1]["split_calls"] == n * STEPS
     assert r[0]["split_flops"] + r[1]["split_flops"] == r[0]["unsplit_flops"]
+
+
+def test_the_split_is_refused_in_one_line_for_fsdp_shards(tmp_path):
+    """FSDP's parameters are shards (DTensors): the split, which needs whole matrices, is refused."""
+    import pytest
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from spectrain.optim import MuonSplit, OptimConfig, build_optimizers
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 8))
+        fully_shard(model)
+        cfg = OptimConfig(optimizer="muon")
+        with pytest.raises(ValueError, match=r"^muon: the Newton-Schulz split .* sharded \(FSDP\)[^\n]*$"):
+            build_optimizers(model, cfg, lambda s: 1.0, split=MuonSplit(0, 2))
+        build_optimizers(model, cfg, lambda s: 1.0)  # unsplit, as the trainer builds it under FSDP
+    finally:
+        dist.destroy_process_group()
