@@ -152,7 +152,32 @@ def build_family_model(case: FamilyCase, out_dir: Path, tokenizer_dir: Path, *, 
                  "chat_template.jinja"):  # fmt: skip
         if (tokenizer_dir / name).is_file():
             shutil.copy(tokenizer_dir / name, out_dir / name)
+    forced = next((cls for prefix, cls in FORCED_TOKENIZERS.items() if case.name.startswith(prefix)), None)
+    if forced is not None:
+        _as_forced_tokenizer(out_dir / "tokenizer.json", forced)
     return out_dir
+
+
+FORCED_TOKENIZERS = {"qwen2": "Qwen2Tokenizer", "qwen3_5": "Qwen3_5Tokenizer"}
+"""Families whose tokenizer class transformers 5 picks by ``model_type``, whatever the files say."""
+
+
+def _as_forced_tokenizer(path: Path, class_name: str) -> None:
+    """Give ``tokenizer.json`` the normalizer and pre-tokenizer of the class transformers forces.
+
+    transformers loads a Qwen2 or Qwen3.5 checkpoint's tokenizer with its own class, keeping only
+    the vocabulary and merges; with these two parts in ``tokenizer.json`` too, the ``tokenizers``
+    library (hsgen's renderer) and that class agree token for token, as they do for the released
+    tokenizers of those families.
+    """
+    import transformers
+    from tokenizers import Tokenizer
+
+    forced = getattr(transformers, class_name)()._tokenizer
+    tok = Tokenizer.from_file(str(path))
+    tok.normalizer = forced.normalizer
+    tok.pre_tokenizer = forced.pre_tokenizer
+    tok.save(str(path))
 
 
 def family_dirs(root: Path, tokenizer_dir: Path) -> Callable[[str], Path]:

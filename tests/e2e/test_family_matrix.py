@@ -18,13 +18,29 @@ from _families import LAYERS
 from hsgen.serve.testing import running_server
 
 STORE_LAYERS = list(range(1, LAYERS + 1))
-NAMES = ["llama", "mistral", "qwen3_moe", "qwen3_next", "gpt_oss", "gemma3", "gemma4"]
-"""The families whose path differs (layout, norm, softcap, attention kinds); the others share
-theirs and are covered by the differential tests (``tests/spectrain/test_verifier_families.py``,
-``tests/hsgen/test_serve_families.py``). The Qwen3.5 wrapper is not run here: transformers 5
-loads ``Qwen3_5Tokenizer`` for it whatever ``tokenizer_config.json`` says, which splits digits
-unlike the tiny tokenizer's ``tokenizer.json``, so ``hsgen generate``'s tokenizer probe (rightly)
-refuses the pair; Qwen3-Next covers the hybrid path."""
+NAMES = [
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "qwen3_vl",
+    "qwen3_next",
+    "qwen3_5_text",
+    "qwen3_5",
+    "gpt_oss",
+    "gemma2",
+    "gemma3_text",
+    "gemma3",
+    "gemma4_text",
+    "gemma4",
+]
+"""One model per row of ``spectrain.families`` (a wrapper and its text model both), so every family a user can
+train for runs end to end in the default suite; the matrix's two variants (a tied Llama head, Gemma 3 with a
+softcap) change only the heads, which the differential tests cover, and the Gemma 4 wrapper runs a softcap here.
+The Qwen2 and Qwen3.5 models carry a tokenizer whose pre-tokenizer is the one transformers forces on
+them (``_families._as_forced_tokenizer``), so ``hsgen generate``'s tokenizer probe sees the server tokenize as the
+local files do."""
 
 
 def _speculators_loads(draft_dir, algorithm):

@@ -75,6 +75,10 @@ class HiddenStateClient:
         self._last_alive = time.monotonic()
         self._last_down_error = ""
         self._stopping = asyncio.Event()
+        self._waiting: set[asyncio.Task] = set()
+        """Tasks waiting for a completion's answer (the ``--max-down`` watchdog's charges)."""
+        self._cut_off: set[asyncio.Task] = set()
+        self._watchdog: asyncio.Task | None = None
 
     async def __aenter__(self) -> HiddenStateClient:
         import aiohttp
@@ -108,6 +112,8 @@ class HiddenStateClient:
 
     async def close(self) -> None:
         """Close connections and the read threads."""
+        if self._watchdog is not None and not self._watchdog.done():
+            self._watchdog.cancel()
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -226,9 +232,17 @@ class HiddenStateClient:
             ) from None
         self._check_status(url, status, body)
         try:
-            model = str(json.loads(body)["data"][0]["id"])
+            served = [str(m["id"]) for m in json.loads(body)["data"]]
+            model = served[0]
         except (ValueError, KeyError, IndexError, TypeError):
             raise FatalError("bad_models", f"{url}{path} returned no model: {body[:200]!r}", url) from None
+        if self.config.model and self.config.model not in served:
+            raise FatalError(
+                "bad_model",
+                f"--model {self.config.model}: {url} serves {served} (here --model is the served model id "
+                "to request; leave it out to use the server's first)",
+                url,
+            )
         ep = self.endpoints[url]
         if ep.model is None:
             ep.model = model
@@ -463,25 +477,45 @@ class HiddenStateClient:
         ) as r:
             return await r.read(), r.status
 
-    async def _answered_or_down(self, url: str, coro):
-        """``coro``'s result; :class:`FatalError` ``endpoints_down`` as soon as no server has
-        answered anything for ``max_down_s`` while it waits (a server that takes requests and
-        never answers them ends a run after ``--max-down``, not after ``--timeout``)."""
-        limit = self.config.max_down_s
-        task = asyncio.ensure_future(coro)
+    async def _send_watched(self, url: str, body: str, request_id: str) -> tuple[bytes, int]:
+        """:meth:`_send`, ended by :class:`FatalError` ``endpoints_down`` as soon as no server has
+        answered anything for ``max_down_s`` while it waits (a server that takes requests and never
+        answers them ends a run after ``--max-down``, not after ``--timeout``).
+
+        One watchdog task per client checks every waiting request at once; a request only joins
+        a set while it waits, so the request path gains no task, timer or wake-up of its own.
+        """
+        if not self.config.max_down_s:
+            return await self._send(url, body, request_id)
+        task = asyncio.current_task()
+        assert task is not None
+        self._waiting.add(task)
+        if self._watchdog is None or self._watchdog.done():
+            self._watchdog = asyncio.ensure_future(self._watch_down(self.config.max_down_s))
         try:
-            while True:
-                done, _ = await asyncio.wait(
-                    {task}, timeout=max(0.05, min(1.0, limit / 4)) if limit else None
-                )
-                if done:
-                    return task.result()
-                if time.monotonic() - self._last_alive > limit:
-                    self._last_down_error = f"{url}: POST /v1/completions unanswered"
-                    self._check_down()
+            return await self._send(url, body, request_id)
+        except asyncio.CancelledError:
+            if task not in self._cut_off:
+                raise
+            self._cut_off.discard(task)
+            if task.uncancel() > 0:  # cancelled by someone else too: that cancellation wins
+                raise
+            self._last_down_error = f"{url}: POST /v1/completions unanswered"
+            self._check_down()
+            raise
         finally:
-            if not task.done():
-                task.cancel()
+            self._waiting.discard(task)
+
+    async def _watch_down(self, limit: float) -> None:
+        """Cut off every waiting request once no server has answered for ``limit`` seconds."""
+        tick = max(0.05, min(1.0, limit / 4))
+        while self._waiting:
+            await asyncio.sleep(tick)
+            if time.monotonic() - self._last_alive > limit:
+                for t in list(self._waiting):
+                    if t not in self._cut_off:
+                        self._cut_off.add(t)
+                        t.cancel()
 
     async def _post_completion(
         self, url: str, model: str, prompt: RenderedPrompt, request_id: str
@@ -496,7 +530,7 @@ class HiddenStateClient:
             prompt_logprobs=PROMPT_LOGPROBS if self.config.targets == "argmax" else None,
         )
         try:
-            raw, status = await self._answered_or_down(url, self._send(url, json.dumps(body), request_id))
+            raw, status = await self._send_watched(url, json.dumps(body), request_id)
         except TimeoutError:
             raise FetchError(
                 "timeout",
