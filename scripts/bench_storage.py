@@ -30,8 +30,9 @@ against the peer), ``tau_delta_dflash`` and ``tau_delta_eagle3`` (relative, reco
 it reports was not measured or an output differed from greedy decoding.
 ``--bytes-only`` builds the stores and reports their bytes alone (no tau, nothing else claimed).
 ``--quick`` (48 prompts, 1 epoch, 4 eval prompts) checks the whole path in a few minutes; the
-default (the quality benchmark's quick size, 8 trainings, 8 evaluations) took 19 minutes (8 eval
-prompts) to 30 minutes (24) on the shared 2-core VM at load 5-8.
+default (the quality benchmark's quick size, 8 trainings, 8 evaluations) took 19 minutes with
+``--eval-prompts 8`` at load 2-8 and 49 with the default 24 at load 13-24 on the shared
+2-core VM.
 """
 
 from __future__ import annotations

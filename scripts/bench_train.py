@@ -33,7 +33,9 @@ where the models route their vocabulary loss through ``vocab_loss`` the eager an
 loss (``spectrain.models.vocab_loss``), and where Eagle3 has ``freeze_lm_head`` both heads.
 Last stdout line: JSON with ``dflash_tflop_per_step``, ``eagle3_tflop_per_step``,
 ``dflash_est_peak_gib``, ``eagle3_est_peak_gib`` (the leanest variant, named in ``*_variant``),
-every variant, and the peer's figures.
+every variant, and the peer's figures; ``*_muon_split``: with ``spectrain train``'s Muon, the
+Newton-Schulz TFLOP of the busiest rank when 1, 2 or 8 DDP ranks share the orthogonalisation
+(``spectrain.muon``), and that rank's whole step (its forward + backward, plus its share).
 """
 
 from __future__ import annotations
@@ -45,7 +47,6 @@ import functools
 import gc
 import json
 import logging
-import random
 import sys
 import tempfile
 import time
@@ -85,8 +86,10 @@ TARGETS = {"dflash_tflop_per_step": 84.0, "dflash_est_peak_gib": 30.0,
 
 
 def synthetic_verifier(shape: dict, device: torch.device, dtype: torch.dtype):
-    """Random frozen heads with the verifier's shape (no checkpoint needed)."""
-    from spectrain.verifier import VerifierHeads, VerifierInfo
+    """Random frozen heads with the verifier's shape (no checkpoint needed), drawn where they
+    live (2 x 622M normals at the reference shape): ``spectrain.plan.synthetic_heads``."""
+    from spectrain.plan import synthetic_heads
+    from spectrain.verifier import VerifierInfo
 
     info = VerifierInfo(
         path="synthetic", name_or_path="Qwen/Qwen3-8B", architectures=("Qwen3ForCausalLM",), model_type="qwen3",
@@ -95,51 +98,16 @@ def synthetic_verifier(shape: dict, device: torch.device, dtype: torch.dtype):
         intermediate_size=shape["inter"], rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=40960,
         tie_word_embeddings=False,
     )  # fmt: skip
-    device = torch.device(device)
-    g = torch.Generator(device=device).manual_seed(
-        0
-    )  # drawn where they live: 2 x 622M normals at the reference
-    V, H = shape["vocab"], shape["hidden"]
-    emb = (torch.randn(V, H, generator=g, device=device) * 0.02).to(dtype)
-    head = (torch.randn(V, H, generator=g, device=device) * 0.02).to(dtype)
-    return VerifierHeads(info, emb, torch.ones(H, dtype=dtype, device=device), head)
-
-
-def doc_lengths(seq: int, layout: str, docs: int, seed: int = 0) -> list[int]:
-    """Document lengths filling ``seq`` slots: ``peer`` (random in [seq/16, seq/3)) or ``equal``."""
-    if layout == "equal":
-        base = seq // docs
-        return [base] * (docs - 1) + [seq - base * (docs - 1)]
-    rng = random.Random(seed)
-    lo = max(16, seq // 16)
-    hi = max(lo + 1, seq // 3)
-    out: list[int] = []
-    while sum(out) < seq:
-        out.append(rng.randrange(lo, hi))
-    out[-1] -= sum(out) - seq
-    if out[-1] < 2 and len(out) > 1:
-        out[-2] += out.pop()
-    return out
+    return synthetic_heads(info, device, dtype)
 
 
 def synthetic_batch(shape: dict, n_aux: int, device, layout: str = "peer", docs: int = 1, seed: int = 1,
                     hidden: int | None = None):  # fmt: skip
-    """One packed sequence: ``peer`` documents have the loss on their last 65%, ``equal`` ones everywhere."""
-    from spectrain.data import Batch
+    """One packed sequence of ``shape`` (``spectrain.plan.synthetic_batch``): ``peer`` documents
+    have the loss on their last 65%, ``equal`` ones everywhere."""
+    from spectrain.plan import synthetic_batch as batch
 
-    S = shape["seq"]
-    lengths = doc_lengths(S, layout, docs, seed)
-    pos = torch.cat([torch.arange(n) for n in lengths])
-    doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
-    starts = torch.tensor([0, *np.cumsum(lengths)[:-1].tolist()])
-    ends = (starts + torch.tensor(lengths))[doc]
-    loss = (
-        torch.ones(S, dtype=torch.bool) if layout == "equal" else pos >= (0.35 * (ends - starts[doc])).long()
-    )
-    g = torch.Generator().manual_seed(seed)
-    hs = torch.randn(S, n_aux + 1, hidden or shape["hidden"], generator=g).to(torch.bfloat16)
-    ids = torch.randint(0, shape["vocab"], (S,), generator=g)
-    return Batch(ids, loss, pos, doc, ends, hs, num_tokens=S).to(device)
+    return batch(shape["seq"], hidden or shape["hidden"], shape["vocab"], n_aux, device, layout, docs, seed)
 
 
 def build(name: str, opts: dict, shape: dict, device, heads_dtype):
@@ -436,8 +404,26 @@ def plan_one(name: str, opts: dict, shape: dict, layout: str, variant: dict, den
             [model, *opt.optimizers, batch.hidden_states, batch.input_ids, heads.lm_head, heads.embed_tokens],
             density,
         )
-    out = acct.summary()
+        out = acct.summary()
+        out["muon_ns_tflop_by_ranks"] = muon_split_plan(model)
     out["params_trainable_m"] = round(sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e6, 1)
+    return out
+
+
+MUON_RANKS = (1, 2, 8)
+
+
+def muon_split_plan(model) -> dict[str, float]:
+    """Newton-Schulz TFLOP of one step on the busiest rank when ``spectrain train``'s Muon splits
+    the orthogonalisation over 1, 2 and 8 DDP ranks (the optimizer's own assignment and count)."""
+    from spectrain.optim import MuonSplit, OptimConfig, build_optimizers
+
+    cfg = OptimConfig(optimizer="muon", lr=1e-4)
+    out = {}
+    for world in MUON_RANKS:
+        per_rank = [build_optimizers(model, cfg, lambda s: 1.0, fused=True, split=MuonSplit(r, world)).flops_per_step
+                    for r in range(world)]  # fmt: skip
+        out[str(world)] = round(max(per_rank) / 1e12, 2)
     return out
 
 
@@ -458,6 +444,11 @@ def run_plan(args) -> dict:
         result[f"{name}_est_peak_gib"] = variants[best]["est_peak_gib"]
         result[f"{name}_variant"] = best
         result[f"{name}_variants"] = variants
+        ns = variants[best]["muon_ns_tflop_by_ranks"]
+        result[f"{name}_muon_split"] = {
+            "ns_tflop_per_rank": ns,
+            "rank_tflop_per_step": {w: round(variants[best]["tflop_per_step"] + t, 2) for w, t in ns.items()},
+        }
         log.info("%s planned in %.1f s", name, time.perf_counter() - t0)
     result["peer"] = PEER
     result["targets"] = TARGETS

@@ -27,7 +27,7 @@ def test_a_seven_step_online_run_reports(tmp_path, tiny_model_dir, sample_chats_
     records = [json.loads(x) for x in (save / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in records if x["split"] == "train"] == [7]
     rep = subprocess.run([sys.executable, "-m", "spectrain.cli", "report", str(save)], capture_output=True,
-                         text=True, timeout=200)  # fmt: skip
+                         text=True, timeout=600)  # fmt: skip
     assert rep.returncode == 0, rep.stderr
     out = json.loads(rep.stdout.strip().splitlines()[-1])
     for png in out["png"]:

@@ -47,7 +47,7 @@ def test_a_cache_speculators_writes_imports_and_trains(tmp_path, tiny_model_dir,
     with running_server(tiny_model_dir, LAYERS, tmp_path / "shm", dtype="float32") as url:
         asyncio.run(offline._generate_and_save_hidden_states(
             model=None, endpoint=f"{url}/v1", preprocessed_data=str(data), output=None, max_samples=None,
-            concurrency=4, validate_outputs=True, request_timeout=120, max_retries=1, fail_on_error=True,
+            concurrency=4, validate_outputs=True, request_timeout=600, max_retries=1, fail_on_error=True,
             max_consecutive_errors=None, world_size=1, rank=0))  # fmt: skip
     files = sorted((data / "hidden_states").glob("hs_*.safetensors"))
     assert len(files) == 24  # speculators' own writer made the cache

@@ -59,6 +59,6 @@ def test_spectrain_online_refuses_credentials_and_writes_none(tmp_path, sample_c
     save = tmp_path / "run"
     r = run("train", "--verifier", tiny_model_dir, "--max-steps", "1", "--online", "--endpoint", url,
             "--prompts", sample_chats_path, "--save-path", save, "--online-option", "layer_ids=[1,2,3,4]",
-            module="spectrain.cli", timeout=120)  # fmt: skip
+            module="spectrain.cli", timeout=600)  # fmt: skip
     _refused(r)
     assert not save.exists() or KEY.encode() not in _all_bytes(save)

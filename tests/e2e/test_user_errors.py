@@ -40,7 +40,7 @@ def box():
     shutil.rmtree(d, ignore_errors=True)
 
 
-def run(*args, module="hsgen.cli", denied=False, env=None, timeout=120):
+def run(*args, module="hsgen.cli", denied=False, env=None, timeout=600):
     """Run a CLI; with ``denied``, file modes apply even when the tests run as root (the process
     loses the capabilities that let root read and write anything)."""
     cmd = [sys.executable, "-m", module, *map(str, args)]
@@ -146,7 +146,7 @@ def test_spectrain_paths_and_servers(box, tiny_model_dir):
     assert f"{box / 'nope'}: not an hsgen store" in line
     dead = f"http://127.0.0.1:{free_port()}"
     r = run(*base, "--online", "--endpoint", dead, "--prompts", box / "good.jsonl", "--save-path", box / "run2",
-            "--online-option", "layer_ids=[1,2,3,4]", module="spectrain.cli", timeout=90)  # fmt: skip
+            "--online-option", "layer_ids=[1,2,3,4]", module="spectrain.cli", timeout=600)  # fmt: skip
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     errors = [line for line in r.stderr.splitlines() if dead in line]
     assert len(errors) == 1 and "refused" in errors[0] and r.stderr.strip().splitlines()[-1] == errors[0]
@@ -158,14 +158,14 @@ def test_online_against_a_server_that_never_answers_ends_after_max_down(box, tin
     import time
 
     with running_server(tiny_model_dir, [1, 2, 3, 4], box / "hs", dtype="float32") as url:
-        url.set_faults("hang=1.0,hang_s=90")
+        url.set_faults("hang=1.0,hang_s=900")
         t0 = time.monotonic()
         r = run("train", "--verifier", tiny_model_dir, "--max-steps", "1", "--online", "--endpoint", url,
                 "--prompts", box / "good.jsonl", "--save-path", box / "run", "--shared-dir", box / "hs",
                 "--online-option", "layer_ids=[1,2,3,4]", "--max-down", "3", module="spectrain.cli",
-                timeout=240)  # fmt: skip
+                timeout=600)  # fmt: skip
         took = time.monotonic() - t0
         url.set_faults(None)
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert "--max-down 3" in r.stderr.strip().splitlines()[-1], r.stderr
-    assert took < 120, f"{took:.0f} s"
+    assert took < 400, f"{took:.0f} s"  # not 8 requests of --timeout (600 s) each

@@ -25,7 +25,7 @@ def tiny_dir() -> Path:
     return Path(ensure_tiny_model())
 
 
-def http(url: str, path: str, body: Any = None, *, method: str | None = None, headers=None, timeout=60):
+def http(url: str, path: str, body: Any = None, *, method: str | None = None, headers=None, timeout=600):
     """One HTTP call with urllib; returns (status, parsed JSON or text)."""
     data = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
     req = urllib.request.Request(
@@ -45,7 +45,7 @@ def http(url: str, path: str, body: Any = None, *, method: str | None = None, he
         return status, raw.decode()
 
 
-def wait_lock_shared(path: str, timeout: float = 30.0) -> float:
+def wait_lock_shared(path: str, timeout: float = 600) -> float:
     """Take and drop ``LOCK_SH`` on ``<path>.lock`` like a vLLM client; returns seconds blocked."""
     t0 = time.monotonic()
     lock = protocol.lock_path(path)

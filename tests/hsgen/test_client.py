@@ -240,3 +240,17 @@ async def test_include_output_tokens_rows_dropped(tmp_path):
         async with HiddenStateClient(client_cfg(url, shared)) as c:
             with pytest.raises(FetchError, match="token_mismatch"):
                 await c.fetch(PROMPT)
+
+
+async def test_a_model_the_server_does_not_serve_is_refused_before_any_request(tmp_path):
+    """Issue 23: generate's --model is the served model id to request (vLLM's API), not the
+    weights (serve's --model); a name no server lists ends the probe in one line naming the flag."""
+    shared = tmp_path / "shm"
+    fake = FakeVLLM(FakeConfig(str(shared)))
+    async with fake as url:
+        async with HiddenStateClient(client_cfg(url, shared, model=fake.cfg.model)) as c:
+            assert await c.probe() == {url: fake.cfg.model}
+        async with HiddenStateClient(client_cfg(url, shared, model="Qwen/Qwen3-8B")) as c:
+            with pytest.raises(FatalError, match=r"--model Qwen/Qwen3-8B: .* serves \[") as e:
+                await c.probe()
+    assert fake.cfg.model in str(e.value) and fake.requests == 0

@@ -35,7 +35,7 @@ def tokens_file(path, n: int):
     return path
 
 
-def run_cli(*args, timeout=60, env=None):
+def run_cli(*args, timeout=600, env=None):
     t0 = time.monotonic()
     r = subprocess.run(
         [sys.executable, "-m", "hsgen.cli", *map(str, args)],
@@ -58,7 +58,7 @@ def test_nothing_listening_fails_in_seconds_naming_url_and_cause(tmp_path):
         "--layer-ids", "1,2,4", "--shared-dir", tmp_path, "--no-progress",
     )  # fmt: skip
     assert r.returncode == EXIT_FAILURE
-    assert took < 30
+    assert took < 120  # not --max-down (600 s) of retries; a start-up on 2 loaded cores takes tens of seconds
     lines = error_lines(r.stderr)
     assert len(lines) == 1, r.stderr
     assert url in lines[0] and "refused" in lines[0]
@@ -87,8 +87,8 @@ async def test_every_server_down_for_max_down_ends_the_run(tmp_path):
     )  # fmt: skip
     cfg = GenerateConfig(client=client, shard_bytes=1024, max_consecutive_failures=0)
     t0 = time.monotonic()
-    summary = await asyncio.wait_for(generate(cfg, prompts(), store, progress=False), 60)
-    assert time.monotonic() - t0 < 20
+    summary = await asyncio.wait_for(generate(cfg, prompts(), store, progress=False), 600)
+    assert time.monotonic() - t0 < 120  # 1000 prompts against a dead server never end alone
     assert summary.exit_code == EXIT_FAILURE
     assert "no server has answered" in summary.fatal and "--max-down" in summary.fatal
     assert summary.stored >= 1 and served < 1000
@@ -123,7 +123,7 @@ def start_generate(tmp_path, url, shared, n, *extra):
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def wait_for(cond, timeout: float = 60) -> None:
+def wait_for(cond, timeout: float = 600) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
         assert time.monotonic() < deadline, "timed out"
@@ -136,7 +136,7 @@ def sigterm_and_wait(proc, *, twice: bool = False) -> tuple[float, str, str]:
     if twice:
         time.sleep(0.5)
         proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=120)
+    out, err = proc.communicate(timeout=600)
     return time.monotonic() - t0, out, err
 
 
@@ -152,7 +152,9 @@ def test_sigterm_while_every_server_is_down_ends_at_once(tmp_path):
     assert proc.poll() is None, proc.communicate()
     took, out, err = sigterm_and_wait(proc)
     assert proc.returncode == EXIT_INTERRUPTED, err[-2000:]
-    assert took < 10, f"{took:.1f} s: waiting for a dead server is not finishing a request"
+    assert took < 40, (
+        f"{took:.1f} s: waiting for a dead server is not finishing a request"
+    )  # not --max-down 600 s
     assert "Traceback" not in err
     summary = json.loads(out.splitlines()[-1])
     assert summary["failed"] == 0 or summary["failed"] < 30, summary
@@ -166,7 +168,7 @@ def test_sigterm_with_a_silent_server_ends_within_the_grace(tmp_path):
     for twice, grace in ((False, 1.5), (True, 60)):
         run_dir = tmp_path / f"run-{twice}"
         run_dir.mkdir()
-        cfg = FakeConfig(str(shared), faults=[None] * 10 + ["hang"] * 5000, hang_s=30)
+        cfg = FakeConfig(str(shared), faults=[None] * 10 + ["hang"] * 5000, hang_s=600)
         fake = FakeVLLM(cfg)
         with fake.in_thread() as url:
             proc = start_generate(run_dir, url, shared, 200, "--stop-grace", grace)
@@ -175,7 +177,7 @@ def test_sigterm_with_a_silent_server_ends_within_the_grace(tmp_path):
             assert proc.poll() is None, proc.communicate()
             took, out, err = sigterm_and_wait(proc, twice=twice)
         assert proc.returncode == EXIT_INTERRUPTED, err[-2000:]
-        assert took < (4 if twice else grace + 6), f"{took:.1f} s with --stop-grace {grace}, twice={twice}"
+        assert took < (30 if twice else grace + 30), f"{took:.1f} s with --stop-grace {grace}, twice={twice}"
         assert "Traceback" not in err
         summary = json.loads(out.splitlines()[-1])
         assert summary["stored"] == 10 and summary["failed"] == 0, summary
@@ -186,7 +188,7 @@ def test_sigterm_after_the_input_is_used_up_ends_within_the_grace(tmp_path):
     """Issue 21, hole 4: with every prompt sent, the run waits in its drain for the last requests;
     a SIGTERM there must still end it within --stop-grace (it used to wait for --timeout)."""
     shared = tmp_path / "shm"
-    fake = FakeVLLM(FakeConfig(str(shared), faults=[None] * 10 + ["hang"] * 4, hang_s=60))
+    fake = FakeVLLM(FakeConfig(str(shared), faults=[None] * 10 + ["hang"] * 4, hang_s=600))
     with fake.in_thread() as url:
         proc = start_generate(tmp_path, url, shared, 14, "--stop-grace", 2)
         wait_for(lambda: fake.requests >= 14 or proc.poll() is not None)
@@ -194,7 +196,7 @@ def test_sigterm_after_the_input_is_used_up_ends_within_the_grace(tmp_path):
         assert proc.poll() is None, proc.communicate()
         took, out, err = sigterm_and_wait(proc)
     assert proc.returncode == EXIT_INTERRUPTED, err[-2000:]
-    assert took < 2 + 6, f"{took:.1f} s with --stop-grace 2"
+    assert took < 2 + 30, f"{took:.1f} s with --stop-grace 2"
     assert "Traceback" not in err
     summary = json.loads(out.splitlines()[-1])
     assert summary["stored"] == 10 and summary["failed"] == 0, summary
@@ -204,14 +206,14 @@ def test_a_server_that_never_answers_a_request_ends_the_run_after_max_down(tmp_p
     """Issue 21, hole 5: a server answering GET but never POST ended a run only after --timeout
     (600 s); no answer to anything for --max-down now ends it, in one line."""
     shared = tmp_path / "shm"
-    fake = FakeVLLM(FakeConfig(str(shared), faults=["hang"] * 100, hang_s=120))
+    fake = FakeVLLM(FakeConfig(str(shared), faults=["hang"] * 100, hang_s=600))
     with fake.in_thread() as url:
         r, took = run_cli(
             "generate", tokens_file(tmp_path / "d.jsonl", 5), "--store", tmp_path / "st", "--endpoint", url,
-            "--layer-ids", "1,2,4", "--shared-dir", shared, "--no-progress", "--max-down", "3", timeout=120,
+            "--layer-ids", "1,2,4", "--shared-dir", shared, "--no-progress", "--max-down", "3", timeout=600,
         )  # fmt: skip
     assert r.returncode == EXIT_FAILURE, r.stderr
-    assert took < 40, f"{took:.1f} s with --max-down 3"
+    assert took < 120, f"{took:.1f} s with --max-down 3"
     assert "Traceback" not in r.stderr
     lines = [line for line in error_lines(r.stderr) if "--max-down 3" in line]
     assert len(lines) == 1 and "unanswered" in lines[0], r.stderr

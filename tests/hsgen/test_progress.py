@@ -64,11 +64,60 @@ def test_verify_into_a_log_file_writes_lines_not_carriage_returns(tmp_path):
     log = tmp_path / "log.txt"
     with log.open("w") as f:
         r = subprocess.run([sys.executable, "-m", "hsgen.cli", "verify", str(tmp_path / "s"), "--log-level", "INFO"],
-                           stderr=f, stdout=subprocess.PIPE, text=True, timeout=60)  # fmt: skip
+                           stderr=f, stdout=subprocess.PIPE, text=True, timeout=600)  # fmt: skip
     err = log.read_text()
     assert r.returncode == 0, err
     assert "\r" not in err and "verify: 15/15 tok (100%)" in err
     with log.open("w") as f:
         subprocess.run([sys.executable, "-m", "hsgen.cli", "verify", str(tmp_path / "s"), "--no-progress"],
-                       stderr=f, stdout=subprocess.PIPE, timeout=60)  # fmt: skip
+                       stderr=f, stdout=subprocess.PIPE, timeout=600)  # fmt: skip
     assert "verify:" not in log.read_text()
+
+
+def test_count_records_of_the_inputs(tmp_path):
+    from hsgen.input_count import count_records
+
+    (tmp_path / "a.jsonl").write_text('{"x": 1}\n\n{"x": 2}\n{"x": 3}')  # a blank line, no final newline
+    (tmp_path / "b.jsonl").write_text('{"x": 4}\n')
+    assert count_records([tmp_path / "a.jsonl", str(tmp_path / "b.jsonl")]) == 4
+    assert count_records([tmp_path / "a.jsonl", "-"]) is None  # stdin: no total
+    assert count_records([tmp_path / "missing.jsonl"]) is None
+
+
+async def test_generate_bar_counts_the_input_to_its_total(tmp_path, caplog, monkeypatch):
+    """The bar's total is the input's records (stored-already ones count as they are read), or
+    --max-samples; the log line then shows n/total and an ETA."""
+    import asyncio
+
+    from fake_vllm import FakeConfig, FakeVLLM
+    from test_generate import gen_cfg, make_store, prompts
+
+    from hsgen.generate import generate
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
+    progress.configure(None)  # log lines
+    shared, store, ps = tmp_path / "shm", make_store(tmp_path / "store"), prompts(10)
+    loop = asyncio.get_running_loop()
+    counted = asyncio.Event()
+
+    def count():
+        loop.call_soon_threadsafe(counted.set)
+        return len(ps)
+
+    async def stream():
+        await counted.wait()  # the total lands before the first sample can
+        for p in ps:
+            yield p
+
+    async with FakeVLLM(FakeConfig(str(shared))) as url:
+        await generate(gen_cfg(url, shared), ps[:4], store, progress=False)
+        with caplog.at_level(logging.INFO, logger="hsgen.progress"):
+            s = await generate(gen_cfg(url, shared), stream(), store, count=count)
+            assert (s.already_done, s.stored) == (4, 6)
+            last = [r.getMessage() for r in caplog.records][-1]
+            assert last.startswith("generate: 10/10 prompt (100%)") and "ETA 00:00" in last, last
+            caplog.clear()
+            s = await generate(gen_cfg(url, shared, max_samples=2), prompts(5, start=20), store, count=count)
+            assert s.stored == 2
+            last = [r.getMessage() for r in caplog.records][-1]
+            assert last.startswith("generate: 2/2 prompt (100%)"), last

@@ -1,4 +1,9 @@
-"""Concurrency policies against a simulated batching server (steps of at most C sequences)."""
+"""Concurrency policies against a simulated batching server (steps of at most C sequences).
+
+Saturation is measured as the server sees it, not against the wall clock: the share of its
+capacity that its steps used, idle time counted as empty steps. A loaded machine stretches every
+step (and the client's turns) alike, so the figure holds at any load; a policy that keeps too few
+requests queued still shows as part-empty steps."""
 
 from __future__ import annotations
 
@@ -19,22 +24,25 @@ class SimServer:
         self.step_s = step_s
         self.queue: collections.deque = collections.deque()
         self.running = 0
-        self.done_times: list[float] = []
+        self.steps: list[tuple[float, float, int]] = []  # (start, end, sequences) of each step
+        self.idle: list[tuple[float, float]] = []  # (start, end) of each wait for work
         self.wake = asyncio.Event()
 
     async def run(self) -> None:
         while True:
             if not self.queue:
                 self.wake.clear()
+                t0 = time.monotonic()
                 await self.wake.wait()
+                self.idle.append((t0, time.monotonic()))
                 continue
             batch = [self.queue.popleft() for _ in range(min(self.capacity, len(self.queue)))]
             self.running = len(batch)
+            t0 = time.monotonic()
             await asyncio.sleep(self.step_s)
             self.running = 0
-            now = time.monotonic()
+            self.steps.append((t0, time.monotonic(), len(batch)))
             for f in batch:
-                self.done_times.append(now)
                 f.set_result(None)
 
     async def request(self) -> None:
@@ -46,9 +54,17 @@ class SimServer:
     async def metrics(self) -> dict[str, float]:
         return {WAITING: float(len(self.queue)), RUNNING: float(self.running)}
 
-    def rate(self, since: float) -> float:
-        n = sum(1 for t in self.done_times if t >= since)
-        return n / (time.monotonic() - since)
+    def utilisation(self, since: float) -> float:
+        """Share of capacity used from ``since`` on: sequences run over what full steps would have
+        run, in the server's busy time plus its idle time (idle time counted in steps of the mean
+        length the steps took); NaN (which fails any bound) when under 5 steps ran."""
+        steps = [(a, b, n) for a, b, n in self.steps if a >= since]
+        if len(steps) < 5:
+            return float("nan")
+        mean_step = sum(b - a for a, b, _ in steps) / len(steps)
+        idle = sum(b - max(a, since) for a, b in self.idle if b > since)
+        slots = len(steps) + idle / mean_step
+        return sum(n for _, _, n in steps) / (self.capacity * slots)
 
 
 async def drive(servers: dict[str, SimServer], sat: Saturator, seconds: float, overhead_s: float = 0.002):
@@ -86,8 +102,7 @@ async def run_policy(
     try:
         measure_from = time.monotonic() + seconds * 0.5
         await drive({"http://sim": server}, sat, seconds)
-        ideal = capacity / step_s
-        return server.rate(measure_from) / ideal, sat.controls["http://sim"]
+        return server.utilisation(measure_from), sat.controls["http://sim"]
     finally:
         await sat.stop()
         runner.cancel()

@@ -111,7 +111,7 @@ def test_wait_until_healthy_and_timeout(tmp_path):
     from hsgen.serve.testing import running_server
 
     with running_server("tiny", TINY_LAYERS, tmp_path) as url:
-        res = CliRunner().invoke(main, ["wait", url + "/v1", "--timeout", "30"])
+        res = CliRunner().invoke(main, ["wait", url + "/v1", "--timeout", "600"])
         assert res.exit_code == 0 and "healthy after" in res.output
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -88,7 +88,7 @@ def test_stale_lock_is_never_released(server, faults):
     faults("stale_lock=1.0:1")
     status, body = _complete(server)
     path = body["kv_transfer_params"]["hidden_states_path"]
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 600
     while not os.path.exists(path) and time.monotonic() < deadline:
         time.sleep(0.01)
     time.sleep(0.2)
@@ -136,7 +136,7 @@ async def test_client_disconnect_aborts_and_releases_the_lock(server):
                     headers={"X-Request-Id": "gone"},
                 ):
                     pass
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
             after = protocol.parse_prometheus(http(server, "/metrics")[1])
             if after["vllm:request_success_total"] > before["vllm:request_success_total"]:

@@ -200,7 +200,7 @@ def test_a_writer_truncating_the_file_later_cannot_reach_the_sample(tmp_path):
         print("intact")
         """
     )
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and r.stdout.strip() == "intact", (
         f"exit {r.returncode} (-7 is SIGBUS): {r.stderr}"
     )

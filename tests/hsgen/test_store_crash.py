@@ -82,7 +82,7 @@ def check_store(path: Path, must_have: set[str]) -> HiddenStateStore:
     return store
 
 
-def finish(proc: subprocess.Popen, timeout: float = 60) -> str:
+def finish(proc: subprocess.Popen, timeout: float = 600) -> str:
     out, err = proc.communicate(timeout=timeout)
     assert proc.returncode == 0, err
     return out
@@ -105,14 +105,14 @@ def test_random_kill_9_then_verify_and_resume(tmp_path, codec):
                     break
         time.sleep(rng.uniform(0.0, 0.3))
         proc.send_signal(signal.SIGKILL)
-        out, _ = proc.communicate(timeout=60)
+        out, _ = proc.communicate(timeout=600)
         out = seen + out
         assert proc.returncode in (0, -signal.SIGKILL)
         kills += proc.returncode == -signal.SIGKILL
         durable |= durable_ids(out)
         check_store(path, durable)
     assert kills >= 4 and durable
-    finish(spawn(path, "w0", 0, total, codec=codec), timeout=120)
+    finish(spawn(path, "w0", 0, total, codec=codec), timeout=600)
     store = check_store(path, durable)
     assert set(store.sample_ids()) == {f"s{i}" for i in range(total)}
     store.gc()
@@ -126,7 +126,7 @@ def test_kill_9_at_each_commit_step(tmp_path, point):
     finish(spawn(path, "w", 0, 30))
     before = set(HiddenStateStore.open(path).sample_ids())
     proc = spawn(path, "w", 30, 60, failpoint=point)
-    out, _ = proc.communicate(timeout=30)
+    out, _ = proc.communicate(timeout=600)
     assert proc.returncode == -signal.SIGKILL
     assert durable_ids(out) == set()
     store = check_store(path, before)
@@ -157,7 +157,7 @@ def test_kill_9_between_tombstone_and_unlink(tmp_path):
     )
     env = {**os.environ, "HSGEN_STORE_FAILPOINT": "tombstoned"}
     proc = subprocess.run(
-        [sys.executable, "-c", code, str(path), victim], env=env, capture_output=True, timeout=30
+        [sys.executable, "-c", code, str(path), victim], env=env, capture_output=True, timeout=600
     )
     assert proc.returncode == -signal.SIGKILL
     assert (path / victim).exists()

@@ -143,20 +143,20 @@ def test_second_generator_on_the_same_rank_is_refused(tmp_path):
     cfg = FakeConfig(str(shared), capacity=2, step_s=0.04)
     with FakeVLLM(cfg).in_thread() as url:
         first = _generate(data, store, url, shared, "--commit-interval", "0.2")
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 600
         while time.monotonic() < deadline and _stored(store) < 10:
             time.sleep(0.1)
         cfg.step_s = 1.0
         assert first.poll() is None, "the first generator must still be running"
         second = _generate(data, store, url, shared)
-        out2, err2 = second.communicate(timeout=60)
+        out2, err2 = second.communicate(timeout=600)
         assert first.poll() is None, "the first generator must still be running"
         cfg.step_s = 0.01
-        out1, err1 = first.communicate(timeout=120)
+        out1, err1 = first.communicate(timeout=600)
         ranked = [
             _generate(data, tmp_path / "st2", url, shared, "--world-size", "2", "--rank", r) for r in "01"
         ]
-        results = [p.communicate(timeout=120) for p in ranked]
+        results = [p.communicate(timeout=600) for p in ranked]
     assert first.returncode == 0, err1
     assert second.returncode == 1
     lines = [line for line in err2.splitlines() if line.strip()]

@@ -14,7 +14,7 @@ def _generate(prompts, store, url, tokenizer):
     args = [sys.executable, "-m", "hsgen.cli", "generate", str(prompts), "--store", str(store), "--endpoint", url,
             "--shared-dir", str(url.shared_dir), "--layer-ids", "1,2,4", "--tokenizer", str(tokenizer),
             "--no-progress", "--log-level", "WARNING"]  # fmt: skip
-    return subprocess.run(args, capture_output=True, text=True, timeout=240)
+    return subprocess.run(args, capture_output=True, text=True, timeout=600)
 
 
 def test_a_wrong_tokenizer_is_refused_before_any_request(tmp_path, tiny_model_dir, sample_chats_path):

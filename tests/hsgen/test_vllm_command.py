@@ -65,14 +65,14 @@ def test_run_execs_vllm_with_the_printed_line(tiny_model_dir, tmp_path):
     env.pop("VLLM_VENV", None)
     args = [sys.executable, "-m", "hsgen.cli", "vllm-command", str(tiny_model_dir), "--shared-dir",
             str(tmp_path / "hs"), "--vllm-version", "0.33"]  # fmt: skip
-    printed = subprocess.run(args, capture_output=True, text=True, env=env, timeout=60)
+    printed = subprocess.run(args, capture_output=True, text=True, env=env, timeout=600)
     ran = subprocess.run([*args, "--run", "--", "--enforce-eager"], capture_output=True, text=True, env=env,
-                         timeout=60)  # fmt: skip
+                         timeout=600)  # fmt: skip
     assert ran.returncode == 0, ran.stderr
     assert json.loads(record.read_text()) == [*shlex.split(printed.stdout)[1:], "--enforce-eager"]
     assert (tmp_path / "hs").is_dir()
     env["PATH"] = str(tmp_path / "empty")
-    missing = subprocess.run([*args, "--run"], capture_output=True, text=True, env=env, timeout=60)
+    missing = subprocess.run([*args, "--run"], capture_output=True, text=True, env=env, timeout=600)
     assert missing.returncode == 1 and "vllm: not found on PATH" in missing.stderr
 
 

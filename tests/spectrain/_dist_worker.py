@@ -47,7 +47,7 @@ def metrics_rank(rank: int, world: int, port: int, algorithm: str, empty: str, o
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                           timeout=timedelta(seconds=30))  # fmt: skip
+                           timeout=timedelta(seconds=600))  # fmt: skip
     from spectrain.data import Batch
     from spectrain.models import build_draft, get_config_class
     from spectrain.train import DistInfo, MetricSums

@@ -285,7 +285,7 @@ def test_next_sequence_is_packed_off_the_training_thread_while_a_step_runs():
     it = iter(PackedLoader(src, plan, total_seq_len=16, layers=None, hidden_dtype=torch.float32, ahead=2))
     first = next(it)
     assert first.sample_ids == ["s1", "s2"]
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 600
     while len(src.log) < 6 and time.monotonic() < deadline:  # the "step": the consumer does nothing
         time.sleep(0.01)
     read = [sid for sid, _ in src.log]

@@ -87,3 +87,26 @@ def test_errors(draft_dir, tiny_model_dir, prompts_file, tmp_path):
         ],
     )
     assert res.exit_code != 0 and "exceeds the draft's limit of 3" in res.output
+
+
+def test_a_log_file_shows_each_phase_and_the_prompts_progress(
+    draft_dir, tiny_model_dir, prompts_file, tmp_path
+):
+    """Issue 23: eval was silent in a log for its first ~100 s (the default --log-level WARNING
+    hid its progress lines); now each phase has a line and the prompts their count to the total."""
+    import subprocess
+    import sys
+
+    args = [sys.executable, "-m", "spectrain.cli", "eval", "--draft", str(draft_dir), "--verifier",
+            str(tiny_model_dir), "--prompts", str(prompts_file), "--max-new-tokens", "6", "--json"]  # fmt: skip
+    with open(tmp_path / "eval.log", "w") as log:
+        r = subprocess.run(args, stderr=log, stdout=subprocess.PIPE, text=True, timeout=600)
+    err = (tmp_path / "eval.log").read_text()
+    assert r.returncode == 0, err
+    assert "\r" not in err
+    phases = ["eval: importing torch", "eval: loading the draft", "eval: loading the verifier",
+              "eval: 4 prompts, up to 6 new tokens each", "eval: 4/4 prompt (100%)"]  # fmt: skip
+    at = [err.find(p) for p in phases]
+    assert -1 not in at and at == sorted(at), err
+    quiet = subprocess.run([*args, "--no-progress"], capture_output=True, text=True, timeout=600)
+    assert quiet.returncode == 0 and "eval: " not in quiet.stderr, quiet.stderr

@@ -133,7 +133,9 @@ def test_run_all_stops_at_once_when_an_import_fails(tmp_path):
     python.chmod(0o755)
     env = {**os.environ, "TINY": "1", "DEVICE": "cpu", "PYTHON": str(python), "OUT": str(tmp_path / "out"),
            "WORK": str(tmp_path / "work"), "CARRY": str(tmp_path / "no-carry")}  # fmt: skip
-    r = subprocess.run(["bash", str(GPU / "run_all.sh")], env=env, timeout=60, capture_output=True, text=True)
+    r = subprocess.run(
+        ["bash", str(GPU / "run_all.sh")], env=env, timeout=600, capture_output=True, text=True
+    )
     assert r.returncode == 3
     log = (tmp_path / "out" / "run_all.log").read_text()
     assert "imports failed, stopping: ModuleNotFoundError" in log and "eager" not in log
@@ -176,10 +178,10 @@ def test_run_all_keeps_to_its_deadline(tmp_path):
     env = _env(tmp_path, PARTS="eager serve", DEADLINE=str(deadline),
                PYTHON=_hanging_python(tmp_path, "bench_train.py"))  # fmt: skip
     t0 = time.monotonic()
-    subprocess.run(["bash", str(GPU / "run_all.sh")], env=env, check=True, timeout=120, capture_output=True)
+    subprocess.run(["bash", str(GPU / "run_all.sh")], env=env, check=True, timeout=600, capture_output=True)
     # the slack: the records after the deadline's last part, a second each on an idle machine, take
     # several at load 20 on 2 cores
-    assert time.monotonic() - t0 < deadline + 30
+    assert time.monotonic() - t0 < deadline + 120  # not the hanging part's 600 s
     out = tmp_path / "out"
     parts = _parts(out)
     assert list(parts) == ["eager-dflash", "eager-eagle3", "serve"]
@@ -211,7 +213,7 @@ def test_run_all_killed_part_way_has_left_the_finished_parts(tmp_path):
         assert before["dflash_tokens_per_s"] > 0 and before["parts"]["eager-dflash"]["rc"] == 0
         time.sleep(1.0)  # the second part is running (and hangs)
         os.killpg(proc.pid, signal.SIGTERM)
-        assert proc.wait(timeout=60) == 143
+        assert proc.wait(timeout=600) == 143
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

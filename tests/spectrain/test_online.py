@@ -312,13 +312,33 @@ def test_resume_refetches_deleted_and_reads_prefetched(
     assert stats["samples_generated"] < len(plan) - 6  # what was prefetched beyond 12 is read, not refetched
 
 
+def test_resumed_header_probe_fetches_a_sample_the_run_trains(
+    server, prompts_file, tiny_model_dir, tmp_path, rendered
+):
+    """A run resumed in epoch 1 on a new store learns the header from a sample it trains next,
+    not from epoch 0's first (fetched, then never trained): each sample is requested once."""
+    cfg = make_config(server, prompts_file, tiny_model_dir, tmp_path, delete_consumed=True)
+    src = OnlineSource(cfg)
+    try:
+        plan0, plan1 = src._plan_fn(src.split_ids, 0), src._plan_fn(src.split_ids, 1)
+        position = plan1.index(plan0[0]) + 1  # epoch 0's first sample is behind the resumed cursor
+        src.resume_at(1, position)
+        assert src.header.hidden_size > 0
+        _, got, _ = drive(src, 1, start=position)
+        stats = src.stats()
+    finally:
+        src.close()
+    assert sorted(got) == sorted(plan1[position:])
+    assert stats["samples_generated"] == len(plan1) - position
+
+
 def _resume_after_losing_steps(cfg, rendered) -> tuple[list[str], dict]:
     """Train positions 0..11 of epoch 0, let the whole window ahead land, close (as a crash after
     the checkpoint at position 6 would: steps 6..11 are lost), resume from 6 and check every
     sample read then. Returns the plan and the resumed source's stats."""
     src = OnlineSource(cfg)
     plan, _, _ = drive(src, 0, stop=12)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 600
     while src.stats()["samples_generated"] < len(plan) and time.monotonic() < deadline:
         time.sleep(0.05)  # the trainer can outrun the fetcher: let the window ahead land first
     assert src.stats()["samples_generated"] == len(plan)

@@ -81,7 +81,7 @@ def test_hsgen_gc_finds_a_dead_runs_files_in_the_save_path(tmp_path):
     (shm / _file("hsgen-0f0f0f0f0f0f-")).write_bytes(b"x")
     r = subprocess.run(
         [sys.executable, "-m", "hsgen.cli", "gc", str(tmp_path / "save"), "--shared-dir", str(shm), "--json"],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert [p.name for p in shm.iterdir()] == [_file("hsgen-0f0f0f0f0f0f-")]

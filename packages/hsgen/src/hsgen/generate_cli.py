@@ -10,12 +10,14 @@ import logging
 import os
 import signal
 import sys
+from functools import partial
 from pathlib import Path
 
 import click
 
 from hsgen.cli_options import dataset_inputs, make_renderer, setup_logging
 from hsgen.generate_options import generate_options
+from hsgen.input_count import count_records
 from hsgen.render_cli import render
 
 __all__ = ["generate", "render"]
@@ -176,7 +178,8 @@ def generate(
     if join and "-" not in inputs:  # a joined run may read the input again for dead writers' chunks
         prompts = lambda: render_stream(list(inputs), renderer, on_bad_input=on_bad_input)  # noqa: E731
     show = progress is not False  # a bar on a terminal, log lines otherwise: see hsgen.progress
-    summary = asyncio.run(_run_with_signals(run_generate, cfg, prompts, store, show))
+    count = partial(count_records, inputs) if show else None  # the bar's total and ETA
+    summary = asyncio.run(_run_with_signals(run_generate, cfg, prompts, store, show, count))
     summary.store = summary.store or str(store_path)
     click.echo(summary.to_json())  # a fatal error was logged once, on one line, by the run
     from hsgen.run_report import failures_line
@@ -293,7 +296,7 @@ def _served_model(url: str, cfg) -> str | None:
         return None
 
 
-async def _run_with_signals(run, cfg, prompts, store, show):
+async def _run_with_signals(run, cfg, prompts, store, show, count=None):
     """Run ``generate``; the first SIGINT/SIGTERM stops new requests, a second one cancels."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -312,7 +315,7 @@ async def _run_with_signals(run, cfg, prompts, store, show):
         with contextlib.suppress(NotImplementedError, RuntimeError):  # non-Unix
             loop.add_signal_handler(sig, on_signal, sig.name)
     try:
-        return await run(cfg, prompts, store, progress=show, stop=stop)
+        return await run(cfg, prompts, store, progress=show, stop=stop, count=count)
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(NotImplementedError, RuntimeError):

@@ -42,7 +42,11 @@ TARGET_OPTIONS = [  # the store and the servers
         envvar="VLLM_API_KEY",
         help="Bearer token for servers started with --api-key (default: $VLLM_API_KEY).",
     ),
-    click.option("--model", help="Model id to request (default: each server's first GET /v1/models entry)."),
+    click.option(
+        "--model",
+        help="The served model id to request, as in vLLM's API: what `vllm serve`/`hsgen serve` got as --model "
+        "(or --served-model-name) [default: each server's first GET /v1/models entry].",
+    ),
     click.option(
         "--layer-ids",
         help="The layer ids the servers extract (their eagle_aux_hidden_state_layer_ids), e.g. '2,18,33,36'. "

@@ -114,7 +114,8 @@ class FailureLog:
 
 
 class Progress:
-    """A tqdm bar on stderr (or nothing): samples, tokens/s, GB/s, in flight, errors."""
+    """A tqdm bar on stderr (or nothing): prompts settled out of the input's total, with its ETA,
+    then tokens/s, GB/s, in flight, errors."""
 
     def __init__(self, enabled: bool):
         self.bar = None
@@ -122,7 +123,13 @@ class Progress:
         if enabled:
             from hsgen.progress import progress_bar
 
-            self.bar = progress_bar(unit="sample", dynamic_ncols=True, smoothing=0.1, desc="generate")
+            self.bar = progress_bar(unit="prompt", dynamic_ncols=True, smoothing=0.1, desc="generate")
+
+    def set_total(self, total: int | None) -> None:
+        """Show ``total`` (None: no total, no ETA) from now on."""
+        if self.bar is not None:
+            self.bar.total = total
+            self.bar.refresh()
 
     def update(
         self, n: int, summary: GenerateSummary, t0: float, in_flight: int, force: bool = False
@@ -154,7 +161,19 @@ class RunReport:
         self.failures = FailureLog(failures_path)
         self.reasons: collections.Counter[str] = collections.Counter()
         self._bar = Progress(progress)
+        self.count_passed = True
+        """Whether prompts not requested (stored already, another rank's, skipped) advance the bar:
+        they do when its total is the input's records, not when it is ``--max-samples``."""
         self.on_write_error: Callable[[OSError], None] | None = None
+
+    def set_total(self, total: int | None) -> None:
+        """The bar's total: the input's records (or the samples a ``--max-samples`` run requests)."""
+        self._bar.set_total(total)
+
+    def passed(self) -> None:
+        """A prompt of the input that is not requested (stored already, another rank's, skipped)."""
+        if self.count_passed:
+            self._bar.update(1, self.summary, self.t0, 0)
 
     def record(self, sample_id: str | None, reason: str, message: str, **extra: Any) -> None:
         """Count ``reason`` and write a failures-file line for ``sample_id``.
@@ -181,9 +200,9 @@ class RunReport:
         s.bytes += nbytes
         self._bar.update(1, s, self.t0, in_flight)
 
-    def tick(self, in_flight: int) -> None:
-        """Refresh the bar without a new sample (after a failure)."""
-        self._bar.update(0, self.summary, self.t0, in_flight)
+    def tick(self, in_flight: int, settled: bool = True) -> None:
+        """A request ended without a sample: failed (``settled``: it advances the bar) or stopped."""
+        self._bar.update(int(settled), self.summary, self.t0, in_flight)
 
     def finish(self, interrupted: bool) -> GenerateSummary:
         """Close the failures file and the bar; fill the summary's totals and status."""

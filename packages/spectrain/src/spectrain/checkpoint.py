@@ -84,8 +84,9 @@ def load_trainer_state(checkpoint: Path, world_size: int) -> dict[str, Any]:
 
     Another number of processes takes over what the saved ranks had left of the epoch: their
     untrained plan tails, interleaved, dealt out round-robin (``loop["positions"]`` all 0, one
-    plan per new rank in ``plans``), so nothing is trained twice and nothing is lost. A
-    checkpoint without plans (older) still needs the same world size.
+    plan per new rank in ``plans``), so nothing is trained twice and nothing is lost. A checkpoint
+    saved between epochs holds no plans (the next epoch is planned for the new ranks); one saved
+    mid-epoch without plans (older) still needs the same world size.
     """
     state = torch.load(checkpoint / STATE_DIR / "state.pt", map_location="cpu", weights_only=False)
     loop = state["loop"]
@@ -93,6 +94,9 @@ def load_trainer_state(checkpoint: Path, world_size: int) -> dict[str, Any]:
     if saved_world == world_size:
         return state
     plans = state.get("plans")
+    if plans is None and not any(loop["positions"]):  # saved between epochs: the next is planned afresh
+        state["loop"] = {**loop, "positions": [0] * world_size, "world_size": world_size}
+        return state
     if not plans or len(plans) != saved_world:
         raise ValueError(
             f"{checkpoint}: saved with {saved_world} processes, resuming with {world_size}; "

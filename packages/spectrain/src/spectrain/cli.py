@@ -26,8 +26,24 @@ COMMANDS: dict[str, tuple[str, str]] = {
     context_settings={"help_option_names": ["-h", "--help"], "show_default": True},
 )
 @click.version_option(package_name="spectrain")
-def main() -> None:
+@click.option(
+    "--plugin",
+    "plugins",
+    multiple=True,
+    envvar="SPECTRAIN_PLUGINS",
+    metavar="MODULE",
+    help="Import MODULE first: a draft algorithm of your own that registers itself "
+    "(docs/adding-an-algorithm.md). Repeatable; env SPECTRAIN_PLUGINS takes several, space-separated.",
+)
+def main(plugins: tuple[str, ...]) -> None:
     """spectrain: train speculative-decoding drafts from a target model's hidden states."""
+    if plugins:
+        from spectrain.plugins import PluginError, load_plugins
+
+        try:
+            load_plugins(plugins)
+        except PluginError as e:
+            raise click.UsageError(str(e)) from None
 
 
 if __name__ == "__main__":

@@ -199,6 +199,14 @@ def eval_command(draft_dir, verifier, revision, prompts_path, max_new_tokens, sp
     Every output is checked against the verifier's own greedy decoding: the exit status is 1
     when any differs.
     """
+    from hsgen import progress as hsgen_progress
+
+    hsgen_progress.configure(progress)  # before transformers is imported: its bars follow
+    logging.basicConfig(
+        level=log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    say = _phase_logger(progress)
+    say("importing torch and transformers")
     import torch
 
     from hsgen.inputs import InputError
@@ -211,9 +219,6 @@ def eval_command(draft_dir, verifier, revision, prompts_path, max_new_tokens, sp
         max_tokens,
     )
 
-    logging.basicConfig(
-        level=log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
     if torch_threads:
         torch.set_num_threads(torch_threads)
     if device == "auto":
@@ -229,9 +234,11 @@ def eval_command(draft_dir, verifier, revision, prompts_path, max_new_tokens, sp
     except HubError as e:
         raise click.BadParameter(str(e), param_hint="--verifier") from None
     try:
+        say(f"loading the draft {draft_dir}")
         proposer = load_exported_draft(draft_dir, verifier, device=device,
                                        block_attention=None if block_attention == "auto" else block_attention)  # fmt: skip
         layers = _layer_ids(layer_ids, proposer.layer_ids)
+        say(f"loading the verifier {verifier} ({dtype} on {device})")
         ver, tokenizer = load_verifier(verifier, layers, dtype=dtype, device=device)
         if ignore_eos:
             ver.eos_token_ids = frozenset()
@@ -248,6 +255,8 @@ def eval_command(draft_dir, verifier, revision, prompts_path, max_new_tokens, sp
             )
     except (DraftLoadError, InputError, FileNotFoundError, ValueError) as e:
         raise click.ClickException(str(e)) from None
+    say(f"{len(prompts)} prompts, up to {max_new_tokens} new tokens each: speculative decoding, "
+        "then greedy decoding to check each output")  # fmt: skip
     report = evaluate(
         ver,
         proposer,
@@ -293,6 +302,16 @@ def eval_command(draft_dir, verifier, revision, prompts_path, max_new_tokens, sp
         click.echo(f"error: {endpoint} served outputs that differ from greedy decoding (see SERVED MISMATCH lines)",
                    err=True)  # fmt: skip
         sys.exit(1)
+
+
+def _phase_logger(progress: bool | None):
+    """``say(message)``: one stderr line per phase of the run (through ``hsgen.progress``, whose
+    lines show at any ``--log-level``), unless ``--no-progress``."""
+    log = logging.getLogger("hsgen.progress")
+    if progress is False:
+        return lambda message: None
+    log.setLevel(logging.INFO)  # the progress lines are the run's progress, not debugging output
+    return lambda message: log.info("eval: %s", message)
 
 
 def _measure_endpoint(endpoint, api_key, prompts, max_new_tokens, report, progress, ignore_eos):

@@ -21,7 +21,12 @@ from typing import Any
 
 import torch
 
+from spectrain.muon import MuonSplit, SkippableMuon
+
 log = logging.getLogger(__name__)
+
+__all__ = ["MuonSplit", "OptimConfig", "Optimizers", "SkippableMuon", "build_optimizers", "lr_lambda",
+           "split_for_muon"]  # fmt: skip
 
 OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "linear", "constant")
@@ -94,17 +99,10 @@ class Optimizers:
 
     @property
     def flops_per_step(self) -> float:
-        """Matmul FLOPs of one optimizer step: Muon's Newton-Schulz iterations (each
-        ``4 m^2 n + 2 m^3`` for an ``m x n`` matrix, ``m <= n``); AdamW's elementwise work is not counted."""
-        total = 0.0
-        for o in self.optimizers:
-            if not isinstance(o, SkippableMuon):
-                continue
-            for group in o.param_groups:
-                for p in group["params"]:
-                    m, n = sorted(p.shape[-2:])
-                    total += group["ns_steps"] * (4.0 * m * m * n + 2.0 * m**3)
-        return total
+        """Matmul FLOPs of one optimizer step on this rank: Muon's Newton-Schulz iterations on the
+        matrices this rank orthogonalises (all of them unless split, :mod:`spectrain.muon`);
+        AdamW's elementwise work is not counted."""
+        return sum(o.ns_flops() for o in self.optimizers if isinstance(o, SkippableMuon))
 
     def step(self, skip: torch.Tensor | None = None) -> None:
         """One update of every optimizer, and the schedule's step.
@@ -164,50 +162,19 @@ def _skips_on_device(o: torch.optim.Optimizer) -> bool:
     return isinstance(o, SkippableMuon) or bool(o.defaults.get("fused"))
 
 
-class SkippableMuon(torch.optim.Muon if hasattr(torch.optim, "Muon") else torch.optim.Optimizer):
-    """``torch.optim.Muon`` whose step is skipped on the device when ``found_inf`` (a float 0-d
-    tensor, 1 = skip) is set, as fused AdamW's is: the gradient is replaced by zeros, the momentum
-    blend weight and the decay become 0 and 1, and the orthogonalised update is multiplied by 0.
-    With ``found_inf`` 0 the arithmetic is Muon's, operation for operation (torch's own
-    Newton-Schulz and learning-rate adjustment)."""
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        found_inf = getattr(self, "found_inf", None)
-        if found_inf is None:
-            return super().step(closure)
-        from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
-
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            params, grads, bufs = [], [], []
-            self._init_group(group, params, grads, bufs)
-            if not params:
-                continue
-            lr, wd, momentum = group["lr"], group["weight_decay"], group["momentum"]
-            skip = found_inf.to(params[0].device).bool()
-            blend = torch.where(skip, 0.0, 1.0 - momentum)
-            decay = torch.where(skip, 1.0, 1.0 - lr * wd)
-            keep = (~skip).to(torch.bfloat16)
-            for p, g, buf in zip(params, grads, bufs, strict=True):
-                g = torch.where(skip, 0.0, g)
-                buf.lerp_(g, blend)
-                update = g.lerp(buf, momentum) if group["nesterov"] else buf
-                update = _zeropower_via_newtonschulz(update, group["ns_coefficients"], group["ns_steps"],
-                                                     group["eps"])  # fmt: skip
-                update.mul_(keep.to(update.dtype))
-                p.mul_(decay)
-                p.add_(update, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
-        return loss
-
-
 def build_optimizers(
-    module: torch.nn.Module, cfg: OptimConfig, multiplier: Callable[[int], float], *, fused: bool = False
+    module: torch.nn.Module,
+    cfg: OptimConfig,
+    multiplier: Callable[[int], float],
+    *,
+    fused: bool = False,
+    split: MuonSplit | None = None,
 ) -> Optimizers:
-    """The optimizer(s) of ``cfg.optimizer`` over the trainable parameters of ``module``."""
+    """The optimizer(s) of ``cfg.optimizer`` over the trainable parameters of ``module``.
+
+    ``split``: the data-parallel ranks (DDP: the same gradients on every rank) that share Muon's
+    Newton-Schulz work; refused for sharded (FSDP) parameters. Ignored for AdamW.
+    """
     cfg.check()
     if cfg.optimizer == "auto":
         raise ValueError("optimizer: 'auto' must be resolved to the algorithm's choice first")
@@ -221,6 +188,9 @@ def build_optimizers(
             f"optimizer: muon needs torch.optim.Muon (torch >= 2.9), this is torch {torch.__version__}"
         )
     matrices, rest = split_for_muon(module)
+    if split is not None and split.world_size > 1 and any(hasattr(p, "placements") for p in matrices):
+        raise ValueError("muon: the Newton-Schulz split needs whole matrices on every rank (DDP); these "
+                         "parameters are sharded (FSDP), whose Muon orthogonalises unsplit")  # fmt: skip
     log.info("muon: %d weight matrices, %d other tensors on AdamW", len(matrices), len(rest))
     opts: list[torch.optim.Optimizer] = []
     if matrices:
@@ -232,6 +202,7 @@ def build_optimizers(
                 weight_decay=cfg.muon_weight_decay,
                 ns_steps=cfg.muon_ns_steps,
                 adjust_lr_fn=cfg.muon_adjust_lr,
+                split=split,
             )  # fmt: skip
         )
     if rest:

@@ -143,7 +143,10 @@ def plot_acceptance(m: RunMetrics, path: Path) -> Path:
     ax.set_ylim(0, 1)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("draft token = verifier's greedy token")
-    ax.set_title(f"Training accuracy per draft position ({split}, teacher-forced; not measured acceptance)")
+    ax.set_title(
+        f"Training accuracy per draft position\n({split}, teacher-forced; not measured acceptance)",
+        fontsize="medium",
+    )
     ax.grid(alpha=0.3)
     if width:
         ax.legend(loc="best", ncol=2 if width > 6 else 1, fontsize="small")

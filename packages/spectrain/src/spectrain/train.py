@@ -59,7 +59,7 @@ from spectrain.distributed import (
 from spectrain.export import export_draft
 from spectrain.loader import BufferPool
 from spectrain.metrics import LogWindow, MetricsLog, MetricSums, train_record
-from spectrain.optim import Optimizers, build_optimizers, lr_lambda
+from spectrain.optim import MuonSplit, Optimizers, build_optimizers, lr_lambda
 from spectrain.signals import StopSignals
 from spectrain.step import NonFiniteTraining, StepChecks, StepResult, step_generator, train_step
 from spectrain.train_config import REDACTED, SECRET_FIELDS, TrainConfig, load_config_file, redact_secrets
@@ -121,6 +121,10 @@ class Trainer:
             self.verifier = VerifierHeads.load(cfg.verifier, dtype=vdtype).to(self.device)
             if self.state is not None:
                 check_resume(self.resume_dir, cfg, self.state["draft_config"], self.verifier.vocab_size)
+            resume_at = getattr(self.source, "resume_at", None)
+            if self.state is not None and resume_at is not None:  # an online source's header probe
+                loop, plans = self.state["loop"], self.state.get("plans")
+                resume_at(loop["epoch"], loop["positions"][self.info.rank], plans and plans[self.info.rank])
             header = self.source.header
             check_header(cfg, header, self.verifier)
             self.hidden_dtype = TORCH_DTYPES.get(getattr(header, "dtype", "bfloat16"), torch.bfloat16)
@@ -146,6 +150,8 @@ class Trainer:
                 self.wrapped, cfg.optim_config(self.draft_cfg.default_optimizer),
                 lambda s: lr_lambda(s, self.total_steps, warm, cfg.schedule, cfg.min_lr_ratio),
                 fused=True,  # fused AdamW skips a non-finite step on the device (spectrain.step)
+                # DDP ranks share Muon's Newton-Schulz work; FSDP's matrices are sharded (decisions.md)
+                split=MuonSplit(self.info.rank, self.info.world_size) if self._mode() == "ddp" else None,
             )  # fmt: skip
             self.global_step = 0
             self.epoch = 0
@@ -313,6 +319,7 @@ class Trainer:
                 self._skip_rest(plan)
                 self.epoch += 1
                 self.position = 0
+                self.current_plans = None  # a checkpoint now holds no plan: the next epoch is planned afresh
                 if self.val_source is not None and not cfg.val_every:
                     summary["validation"] = self.validate()
             if window.steps:  # the last step is always logged, however short the run

@@ -21,8 +21,10 @@ READY_PREFIX = "hsgen serve: listening on "
 @click.option(
     "--model",
     required=True,
-    help="'tiny' (built-in, built offline), a local HF causal-LM directory, or a Hugging Face model id "
-    "(e.g. Qwen/Qwen3-8B: resolved in the HF cache first, honouring HF_HUB_OFFLINE and HF_HOME).",
+    help="The model to load, as in `vllm serve`: 'tiny' (built-in, built offline), a local HF causal-LM "
+    "directory, or a Hugging Face model id (e.g. Qwen/Qwen3-8B: resolved in the HF cache first, honouring "
+    "HF_HUB_OFFLINE and HF_HOME). Served under this name unless --served-model-name, so the same string "
+    "passed as `hsgen generate --model` selects it.",
 )
 @click.option("--revision", default=None, help="Branch, tag or commit of a hub --model [default: main].")
 @click.option(

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from .backend import Backend
 from .fsutil import failpoint
 from .manifest import MANIFEST_SUFFIX, ManifestReplay, ReplayDelta, _FileState, encode
-from .shard import PendingSample, WrittenShard, write_shard
+from .shard import PendingSample, WrittenShard
 from .writer import SEQ_PREFIX, ShardWriter
 
 if TYPE_CHECKING:
@@ -143,17 +143,9 @@ class RemoteShardWriter(ShardWriter):
 
     def _write(self, name: str, batch: list[PendingSample]) -> WrittenShard:
         local = self._stage / name
-        written = write_shard(
-            local,
-            self._stage / f"{name}.tmp",
-            self.header,
-            self.header.codec,
-            batch,
-            chunk_bytes=self.chunk_bytes,
-            pool=self._pool,
-            io_pool=self._io_pool,
-            fsync=False,  # the upload is what must be durable
-        )
+        written = self._write_shard(
+            local, self._stage / f"{name}.tmp", batch, fsync=False
+        )  # the upload is durable
         try:
             files = [
                 os.path.relpath(os.path.join(d, f), local).replace(os.sep, "/")

@@ -151,17 +151,14 @@ class ShardWriter:
 
     def _write(self, name: str, batch: list[PendingSample]) -> WrittenShard:
         """Write shard ``name`` of this writer, complete (temp directory renamed into place)."""
-        return write_shard(
-            self._dir / name,
-            self._dir / f"{name}.tmp-{secrets.token_hex(4)}",
-            self.header,
-            self.header.codec,
-            batch,
-            chunk_bytes=self.chunk_bytes,
-            pool=self._pool,
-            io_pool=self._io_pool,
-            fsync=self.fsync,
-        )
+        return self._write_shard(self._dir / name, self._dir / f"{name}.tmp-{secrets.token_hex(4)}", batch,
+                                 fsync=self.fsync)  # fmt: skip
+
+    def _write_shard(self, path: Path, tmp: Path, batch: list[PendingSample], *, fsync: bool) -> WrittenShard:
+        """``batch`` as one complete shard at ``path`` (built in ``tmp``, renamed into place),
+        with this writer's header, chunking and pools."""
+        return write_shard(path, tmp, self.header, self.header.codec, batch, chunk_bytes=self.chunk_bytes,
+                           pool=self._pool, io_pool=self._io_pool, fsync=fsync)  # fmt: skip
 
     def _append(self, lines: list[dict]) -> None:
         """Make the shard's manifest records durable."""

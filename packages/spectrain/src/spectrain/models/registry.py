@@ -263,7 +263,8 @@ def register(name: str):
 
 
 def get_config_class(name: str) -> type[DraftConfig]:
-    """The config class of algorithm ``name`` (imports ``spectrain.models.<name>`` on first use)."""
+    """The config class of algorithm ``name`` (imports ``spectrain.models.<name>``, else an
+    installed ``spectrain.algorithms`` entry point of that name, on first use)."""
     if name not in _REGISTRY:
         module = f"spectrain.models.{name}"
         try:
@@ -272,7 +273,15 @@ def get_config_class(name: str) -> type[DraftConfig]:
             if e.name != module:
                 raise
     if name not in _REGISTRY:
-        raise ValueError(f"unknown speculator type {name!r}; available: {available()}")
+        from spectrain.plugins import load_entry_point
+
+        load_entry_point(name)
+    if name not in _REGISTRY:
+        raise ValueError(
+            f"unknown speculator type {name!r}; available: {available()} (an algorithm of your own: "
+            "spectrain --plugin MODULE, SPECTRAIN_PLUGINS, or a 'spectrain.algorithms' entry point; "
+            "docs/adding-an-algorithm.md)"
+        )
     return _REGISTRY[name]
 
 

@@ -37,7 +37,7 @@ class Fetcher:
         request_prefix: the default client's ``X-Request-Id`` prefix (the run's, see
             :mod:`~spectrain.online.run_lease`).
         heartbeat: called on every turn of the fetch loop (keeps the run's lease fresh).
-        first_ids: this rank's ids in training order before any epoch is active (the header probe
+        first_ids: this rank's ids in training order before an epoch has started (the header probe
             fetches the first of them, so its sample gets trained).
         open_scratch: opens the scratch store once the first fetched sample gave the header (I/O thread).
     """
@@ -214,7 +214,8 @@ class Fetcher:
                 await asyncio.sleep(0.01)
             with self.ledger.lock:
                 ep = self.ledger.epoch
-                order = ep.ids[ep.cursor :] if ep is not None else self.first_ids()
+                order = ep.ids[ep.cursor :] if ep is not None and ep.started else None
+            order = order if order is not None else self.first_ids()
             from hsgen.client import FatalError
             from hsgen.render import RenderError
 

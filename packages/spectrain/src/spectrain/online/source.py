@@ -113,6 +113,7 @@ class OnlineSource:
         self.split_ids = self.prompts.split_ids
         self._lengths: dict[str, int] = {}
         self._plans: dict[int, list[str]] = {}
+        self._resume_ids: list[str] | None = None
         self.stores = OnlineStores(config, self.prompts.fingerprint)
         self._failures = FailureLog(config)
         self._consumed_log = ConsumedLog(config, f"{os.getpid()}-{int(time.time() * 1000)}")
@@ -132,8 +133,21 @@ class OnlineSource:
             self._open_scratch()
 
     def _first_ids(self) -> list[str]:
-        """This rank's first epoch, planned now if no epoch is (the header probe's samples get trained)."""
+        """What this rank trains first (the header probe's samples get trained): where a resumed run
+        starts (:meth:`resume_at`), else its first epoch, planned now if no epoch is."""
+        if self._resume_ids is not None:
+            return self._resume_ids
+        with self.ledger.lock:
+            ep = self.ledger.epoch
+        if ep is not None:  # planned, not started yet
+            return list(ep.ids)
         return self._plans.setdefault(0, list(self._plan_fn(self.split_ids, 0)))
+
+    def resume_at(self, epoch: int, position: int, plan: Sequence[str] | None = None) -> None:
+        """The trainer resumes ``epoch`` at ``position`` of ``plan`` (default: the epoch's own plan);
+        told before :attr:`header`, so a new store's header probe fetches a sample the run trains."""
+        ids = list(plan) if plan is not None else list(self._plan_fn(self.split_ids, epoch))
+        self._resume_ids = ids[position:] or None
 
     def _open_scratch(self) -> None:
         cfg = self.config
