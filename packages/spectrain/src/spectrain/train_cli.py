@@ -14,27 +14,12 @@ import click
 
 from spectrain.speculators_flags import SpeculatorsCommand
 
-DRAFT_FLAGS = {
-    "block_size": "block_size",
-    "max_anchors": "max_anchors",
-    "num_layers": "num_layers",
-    "draft_vocab_size": "draft_vocab_size",
-    "mask_token_id": "mask_token_id",
-    "ttt_steps": "ttt_steps",
-    "target_mode": "target_mode",
-    "loss_weighting": "loss_weighting",
-    "dpace_alpha": "dpace_alpha",
-    "loss_gamma": "loss_gamma",
-    "loss_norm": "loss_norm",
-    "anchor_rule": "anchor_rule",
-    "block_attention": "block_attention",
-    "sliding_window": "sliding_window",
-    "ttt_step_loss_decay": "ttt_step_loss_decay",
-    "loss_mask_on": "loss_mask_on",
-    "freeze_lm_head": "freeze_lm_head",
-    "norm_before_fc": "norm_before_fc",
-    "norm_output": "norm_output",
-}
+DRAFT_FLAGS = (
+    "block_size", "max_anchors", "num_layers", "draft_vocab_size", "mask_token_id", "ttt_steps", "target_mode",
+    "loss_weighting", "dpace_alpha", "loss_gamma", "loss_norm", "anchor_rule", "block_attention",
+    "sliding_window", "ttt_step_loss_decay", "loss_mask_on", "freeze_lm_head", "norm_before_fc", "norm_output",
+)  # fmt: skip
+"""Flags that set the draft's config field of the same name."""
 
 TRAIN_FLAGS = (
     "store", "verifier", "verifier_name", "speculator_type", "save_path", "epochs", "max_steps", "stop_after_steps",
@@ -91,9 +76,9 @@ def build_train_config(params: dict[str, Any]):
     for name in TRAIN_FLAGS:
         if params.get(name) is not None:
             data[name] = params[name]
-    for flag, key in DRAFT_FLAGS.items():
-        if params.get(flag) is not None:
-            draft[key] = params[flag]
+    for name in DRAFT_FLAGS:
+        if params.get(name) is not None:
+            draft[name] = params[name]
     if params.get("target_layer_ids"):
         from hsgen.protocol import parse_layer_ids
 
