@@ -190,7 +190,10 @@ def test_run_all_keeps_to_its_deadline(tmp_path):
         if parts[name]["rc"] == "skipped":
             assert f"{name} skipped" in log
             continue
-        assert name.startswith("eager") and parts[name]["rc"] == 124  # the hanging part was cut
+        if name.startswith("eager"):
+            assert parts[name]["rc"] == 124  # the hanging part was cut
+        # serve (not hanging) may run when the eager parts' bounds left it 15 s or more; it too must
+        # have been given no more than the time left
         started = int(log.split(f"] {name} (bound")[0].rsplit("[run_all +", 1)[1].rstrip("s"))
         assert started + parts[name]["bound"] + grace <= deadline
     assert json.loads((out / "summary.json").read_text())["parts"].keys() == parts.keys()
