@@ -57,7 +57,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--rounds", type=int, default=None)
     args = ap.parse_args()
-    samples = args.samples or (16 if args.quick else 64)
+    samples = args.samples or (8 if args.quick else 64)
     rounds = args.rounds or (3 if args.quick else 7)
     layers, hidden = 4, 4096
     with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as tmp:

@@ -184,9 +184,7 @@ def bench_loader(
 ) -> dict:  # fmt: skip
     """Run the comparison (see the module docstring); returns the result dict."""
     repeats = repeats or (3 if quick else 5)
-    tokens = tokens or (
-        48_000 if quick else 96_000
-    )  # quick: still ~30 samples, so a pass's end does not dominate
+    tokens = tokens or (24_000 if quick else 96_000)  # quick: still ~15 samples (0.8 GB) per pass
     base = directory or scratch_root(3 * tokens * 4 * 4096 * 2)
     with tempfile.TemporaryDirectory(prefix="bench-loader-", dir=base) as tmp:
         path = Path(tmp) / "store"
@@ -255,13 +253,13 @@ def _cpu_s() -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="1.6 GB per pass, 3 repeats (~15 s on 2 cores)")
+    ap.add_argument("--quick", action="store_true", help="0.8 GB per pass, 3 repeats (~20 s on 2 cores)")
     ap.add_argument("--dir", default=None, help="where the store goes (default /dev/shm)")
     ap.add_argument(
         "--threads", type=int, default=2, help="loader read threads (and the raw multi-thread run)"
     )
     ap.add_argument("--repeats", type=int, default=None, help="interleaved repeats (default 5, quick 3)")
-    ap.add_argument("--tokens", type=int, default=None, help="tokens in the store (default 96k, quick 48k)")
+    ap.add_argument("--tokens", type=int, default=None, help="tokens in the store (default 96k, quick 24k)")
     ap.add_argument(
         "--store-url",
         help="also read from this object store (s3://bucket/prefix, or 'moto' "

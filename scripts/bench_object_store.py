@@ -176,8 +176,8 @@ def _measure(url: str, endpoint: str, proxy: str, *, quick: bool, latency_ms: fl
             w.add(s.sample_id, s.hidden_states, s.token_ids, s.loss_mask)
     plan = StoreSource(local, val_fraction=0.0).plan(0)
     seq = 8192
-    ladder = [1, 4, 16, 64] if quick else [1, 4, 16, 64, 128]
-    repeats = 2 if quick else 3
+    ladder = [1, 16] if quick else [1, 4, 16, 64, 128]
+    repeats = 1 if quick else 3
     nbytes = src.stats()["bytes"]
     local_rates: list[float] = []
     rates: dict[str, dict[int, list[float]]] = {

@@ -93,7 +93,7 @@ def _phase(name: str, url, prompts, concurrency) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small run (~1 minute on 2 cores)")
-    ap.add_argument("--requests", type=int, default=None, help="requests per phase [quick: 150, full: 600]")
+    ap.add_argument("--requests", type=int, default=None, help="requests per phase [quick: 60, full: 600]")
     ap.add_argument("--prompt-len", type=int, default=256, help="tokens per prompt (uniform 50%%..150%%)")
     ap.add_argument("--concurrency", type=int, default=32, help="concurrent client workers")
     ap.add_argument(
@@ -105,7 +105,7 @@ def main() -> None:
     ap.add_argument("--layers", default="1,2,4", help="layer ids to extract from the tiny model")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
-    n = args.requests or (150 if args.quick else 600)
+    n = args.requests or (60 if args.quick else 600)
     rng = random.Random(0)
     prompts = [
         [rng.randrange(3, 1000) for _ in range(rng.randint(args.prompt_len // 2, args.prompt_len * 3 // 2))]

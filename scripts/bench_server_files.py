@@ -23,7 +23,7 @@ plus one pass over the hidden states (the finite check the client runs by defaul
 lazily mapped pages count). ``<variant>_read_only_gbps``: without that pass (the online trainer
 checks while it copies into the batch). ``*_over_mmap_view``: ratios to the zero-copy read,
 round by round. Each timed pass follows an untimed read of one file by the same variant.
-``--quick`` uses 4 files and 3 rounds. Progress goes to stderr; the last stdout line is one
+``--quick`` uses 2 files and 3 rounds. Progress goes to stderr; the last stdout line is one
 JSON object.
 """
 
@@ -105,13 +105,13 @@ def one_pass(paths: list[str], read, check: bool) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="4 files, 3 rounds")
+    ap.add_argument("--quick", action="store_true", help="2 files, 3 rounds")
     ap.add_argument("--files", type=int, default=None)
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
     args = ap.parse_args()
-    files = args.files or (4 if args.quick else 8)
+    files = args.files or (2 if args.quick else 8)
     rounds = args.rounds or (3 if args.quick else 7)
     layers, hidden = 4, 4096
     file_bytes = args.tokens * (layers * hidden * 2 + 8)

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Bytes on disk against acceptance: the store layouts side by side on the quality benchmark's data.
 
-The quality benchmark's target, prompts and draft recipes (``scripts/bench_quality.py``, its
-``quick`` size: the target and the prompts are shared with it and cached) are run through
+The quality benchmark's target, prompts and draft recipes (``scripts/quality_*.py``, its
+``small`` size, the former ``quick``: the target is shared with it and cached) are run through
 ``hsgen serve`` in bfloat16 (the dtype vLLM serves) and ``hsgen generate`` into four stores:
 
 - ``raw``: every captured layer (the drafts' input layers and the verifier's final layer), bf16;
@@ -29,8 +29,9 @@ against the peer), ``tau_delta_dflash`` and ``tau_delta_eagle3`` (relative, reco
 ``raw``), ``exact_match``, and per layout its bytes, ratio and taus. Exit status 1 when anything
 it reports was not measured or an output differed from greedy decoding.
 ``--bytes-only`` builds the stores and reports their bytes alone (no tau, nothing else claimed).
-``--quick`` (48 prompts, 1 epoch, 4 eval prompts) checks the whole path in a few minutes; the
-default (the quality benchmark's quick size, 8 trainings, 8 evaluations) took 19 minutes with
+``--quick`` (the quality benchmark's quick size: a tiny target, 32 prompts, 4 eval prompts, every
+command in this process; layouts ``raw`` and ``fp8_argmax``) checks the whole path in under a
+minute; the default (the ``small`` size, 8 trainings, 8 evaluations) took 19 minutes with
 ``--eval-prompts 8`` at load 2-8 and 49 with the default 24 at load 13-24 on the shared
 2-core VM.
 """
@@ -49,7 +50,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_quality as bq  # noqa: E402  (the quality benchmark's target, data and recipes)
+import quality_steps as steps  # noqa: E402  (the quality benchmark's prompts, generation, training, eval)
+from quality_sizes import SIZES, draft_layers  # noqa: E402
+from quality_target import ensure_target  # noqa: E402
 
 log = logging.getLogger("bench_storage")
 
@@ -119,13 +122,13 @@ def targets_differing(raw: Path, store: Path, target: Path) -> tuple[int, int]:
 
 
 def generate_store(target: Path, train_jsonl: Path, layers: list[int], store: Path, shared: Path,
-                   codec: str, targets: str) -> None:  # fmt: skip
+                   codec: str, targets: str, in_process: bool) -> None:  # fmt: skip
     from hsgen.serve.testing import running_server
 
-    with running_server(target, layers, shared, mode="process", dtype="bfloat16",
-                        torch_threads=bq.torch_threads()) as url:  # fmt: skip
-        summary = bq.run(
-            bq.hsgen_cmd(
+    with running_server(target, layers, shared, mode="thread" if in_process else "process", dtype="bfloat16",
+                        torch_threads=steps.torch_threads()) as url:  # fmt: skip
+        summary = steps.run(
+            steps.hsgen_cmd(
                 "generate", str(train_jsonl), "--store", str(store), "--endpoint", url, "--shared-dir", str(shared),
                 "--layer-ids", ",".join(map(str, layers)), "--verifier", "bench/stdlib-target", "--codec", codec,
                 "--targets", targets, "--log-level", "warning", "--no-progress",
@@ -140,7 +143,9 @@ def generate_store(target: Path, train_jsonl: Path, layers: list[int], store: Pa
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--quick", action="store_true", help="48 prompts, 1 epoch, 4 eval prompts: a few minutes."
+        "--quick",
+        action="store_true",
+        help="The quality benchmark's quick size, layouts raw and fp8_argmax: under a minute.",
     )
     parser.add_argument(
         "--work", type=Path, default=None, help="Working directory (default: a temporary one)."
@@ -150,7 +155,9 @@ def main(argv: list[str] | None = None) -> int:
         "--cache", type=Path, default=None, help="Trained targets (default: bench_quality's)."
     )
     parser.add_argument("--threads", type=int, default=1, help="Torch threads of every step.")
-    parser.add_argument("--layouts", default=",".join(LAYOUTS), help="Layouts to run (default: all four).")
+    parser.add_argument(
+        "--layouts", default=None, help="Layouts to run (default: all four; --quick raw,fp8_argmax)."
+    )
     parser.add_argument(
         "--eval-prompts",
         type=int,
@@ -172,15 +179,13 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(max(1, args.threads))
     os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(max(1, args.threads))
-    size = bq.SIZES["quick"]
-    if args.quick:
-        size = dataclasses.replace(
-            size, num_train_prompts=48, draft_epochs=1, num_eval_prompts=4, eval_new_tokens=32
-        )
+    size = SIZES["quick" if args.quick else "small"]
     eval_prompts = args.eval_prompts or (size.num_eval_prompts if args.quick else 24)
     if eval_prompts < 1:
         raise SystemExit(f"--eval-prompts must be at least 1, got {args.eval_prompts}")
     size = dataclasses.replace(size, num_eval_prompts=eval_prompts)
+    if args.layouts is None:  # --quick: the comparison that decides (the recommended layout against raw)
+        args.layouts = f"raw,{RECOMMENDED}" if args.quick else ",".join(LAYOUTS)
     asked = [name.strip() for name in args.layouts.split(",") if name.strip()]
     if "raw" not in asked or any(name not in LAYOUTS for name in asked):
         raise SystemExit(f"--layouts must name 'raw' and some of {list(LAYOUTS)}, got {args.layouts!r}")
@@ -189,10 +194,10 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
     try:
-        target = bq.ensure_target(args.cache or default_cache_dir() / "bench-quality", size.target, "cpu")
-        train_jsonl, eval_jsonl = bq.make_prompts(target, size, work, "cpu")
+        target = ensure_target(args.cache or default_cache_dir() / "bench-quality", size.target, "cpu")
+        train_jsonl, eval_jsonl = steps.make_prompts(target, size, work, "cpu")
         L = size.target.num_hidden_layers
-        dflash_aux, eagle_aux = bq.draft_layers(L)
+        dflash_aux, eagle_aux = draft_layers(L)
         aux = sorted({*dflash_aux, *eagle_aux})
         results: dict[str, dict] = {}
         for name in layouts:
@@ -201,7 +206,14 @@ def main(argv: list[str] | None = None) -> int:
             layers = aux if targets == "argmax" else [*aux, L]
             if not (store / "hsgen-store.json").exists():
                 generate_store(
-                    target, train_jsonl, layers, store, work / f"server-files-{name}", codec, targets
+                    target,
+                    train_jsonl,
+                    layers,
+                    store,
+                    work / f"server-files-{name}",
+                    codec,
+                    targets,
+                    size.in_process,
                 )
             opened = HiddenStateStore.open(store)
             ids = opened.sample_ids()
@@ -218,10 +230,10 @@ def main(argv: list[str] | None = None) -> int:
                 )
             for algorithm in () if args.bytes_only else ("dflash", "eagle3"):
                 draft_aux = dflash_aux if algorithm == "dflash" else eagle_aux
-                draft, summary = bq.train_draft(
+                draft, summary = steps.train_draft(
                     algorithm, size, target, store, draft_aux, work, "cpu", [], name
                 )
-                ev = bq.evaluate_draft(draft, target, eval_jsonl, size, "cpu")
+                ev = steps.evaluate_draft(draft, target, eval_jsonl, size, "cpu")
                 row[f"tau_{algorithm}"] = round(ev["tau"], 4)
                 row[f"exact_{algorithm}"] = bool(ev["exact_match"])
                 row[f"eval_steps_{algorithm}"] = ev["steps"]

@@ -266,7 +266,7 @@ def run_timed(args) -> dict:
     gpu = device.type == "cuda"
     shape = GPU_SHAPE if gpu else (TINY_SHAPE if args.tiny else CPU_SHAPE)
     opts = GPU_OPTS if gpu else (TINY_OPTS if args.tiny else CPU_OPTS)
-    steps = args.steps or (3 if args.quick or args.tiny else 10)
+    steps = args.steps or (2 if args.quick or args.tiny else 10)
     warmup = 3 if gpu else 1
     peak = args.peak_tflops * 1e12
     result: dict = {"device": torch.cuda.get_device_name(device) if gpu else "cpu", "shape": shape,
@@ -303,14 +303,16 @@ def run_timed(args) -> dict:
     if args.no_loader:
         result["loader_tokens_per_s"] = None
     else:
-        samples, tokens = (16, 1024) if (args.quick or args.tiny) else (48, 1024)
+        samples, tokens = (8, 1024) if (args.quick or args.tiny) else (48, 1024)
         hidden = 256 if args.tiny else 4096
         result["loader_tokens_per_s"] = round(
             bench_loader(hidden, samples, tokens, 8192, args.loader_workers), 1
         )
         from bench_loader import bench_loader as bench_loader_limit  # scripts/bench_loader.py
 
-        limit = bench_loader_limit(quick=args.quick or args.tiny)
+        limit = bench_loader_limit(
+            quick=args.quick or args.tiny, tokens=12_000 if args.quick or args.tiny else None
+        )
         result["loader_gbps"] = limit["loader_gbps"]
         result["loader_ratio"] = limit["loader_ratio"]
     result["complete"] = True
@@ -463,7 +465,7 @@ def main() -> None:
     )
     ap.add_argument("--tiny", action="store_true", help="a tiny shape (tests; seconds on CPU)")
     ap.add_argument(
-        "--quick", action="store_true", help="fewer steps, smaller loader store (~1 minute on CPU)"
+        "--quick", action="store_true", help="2 steps, small loader stores (~30 s on 2 CPU cores)"
     )
     ap.add_argument("--device", default="auto", help="auto | cuda | cpu")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per model")

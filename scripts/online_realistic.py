@@ -251,7 +251,7 @@ def realistic_bench(
 
     repeats = repeats or 3  # an odd count: the median is one measured repeat
     # long passes: a pass pays one pipeline fill (~0.1 s here), which the whole-pass rate includes
-    tokens, copies, scratch_copies = (32_000, 6, 2) if quick else (64_000, 8, 3)
+    tokens, copies, scratch_copies = (16_000, 4, 1) if quick else (64_000, 8, 3)
     model = ensure_tiny_model()
     bound = 6 * SEQ * len(LAYERS) * HIDDEN * 2  # six packed sequences of read-ahead
     with tempfile.TemporaryDirectory(prefix="bench-online-real-", dir=tmp_dir) as tmp_name:

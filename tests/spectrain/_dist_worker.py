@@ -48,18 +48,16 @@ def metrics_rank(rank: int, world: int, port: int, algorithm: str, empty: str, o
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                            timeout=timedelta(seconds=600))  # fmt: skip
+    from _tiny_drafts import random_heads, verifier_info
+
     from spectrain.data import Batch
     from spectrain.models import build_draft, get_config_class
     from spectrain.train import DistInfo, MetricSums
-    from spectrain.verifier import VerifierHeads, VerifierInfo
 
     V, H, S = 64, 16, 48
-    info = VerifierInfo(path="t", name_or_path="t", architectures=("Qwen3ForCausalLM",), model_type="qwen3",
-                        hidden_size=H, vocab_size=V, num_hidden_layers=4, num_attention_heads=2,
-                        num_key_value_heads=1, head_dim=8, intermediate_size=32, rms_norm_eps=1e-6,
-                        rope_theta=1e4, max_position_embeddings=256, tie_word_embeddings=False)  # fmt: skip
+    info = verifier_info(V, H, attention_heads=2, kv_heads=1, head_dim=8, intermediate=32, max_positions=256)
     g = torch.Generator().manual_seed(0)
-    heads = VerifierHeads(info, torch.randn(V, H, generator=g), torch.ones(H), torch.randn(V, H, generator=g))
+    heads = random_heads(info, g)
     opts = {"block_size": 4, "max_anchors": 8} if algorithm == "dflash" else {"draft_vocab_size": 32}
     torch.manual_seed(0)
     model = build_draft(get_config_class(algorithm)(aux_layer_ids=(1, 2, 3), **opts), heads)

@@ -12,17 +12,13 @@ STEPS = 3
 
 def _draft():
     import torch
+    from _tiny_drafts import random_heads, verifier_info
 
     from spectrain.models import build_draft, get_config_class
-    from spectrain.verifier import VerifierHeads, VerifierInfo
 
     V, H = 64, 24
-    info = VerifierInfo(path="t", name_or_path="t", architectures=("Qwen3ForCausalLM",), model_type="qwen3",
-                        hidden_size=H, vocab_size=V, num_hidden_layers=4, num_attention_heads=2,
-                        num_key_value_heads=1, head_dim=12, intermediate_size=40, rms_norm_eps=1e-6,
-                        rope_theta=1e4, max_position_embeddings=256, tie_word_embeddings=False)  # fmt: skip
-    g = torch.Generator().manual_seed(0)
-    heads = VerifierHeads(info, torch.randn(V, H, generator=g), torch.ones(H), torch.randn(V, H, generator=g))
+    info = verifier_info(V, H, attention_heads=2, kv_heads=1, head_dim=12, intermediate=40, max_positions=256)
+    heads = random_heads(info, torch.Generator().manual_seed(0))
     torch.manual_seed(0)
     cfg = get_config_class("dflash")(aux_layer_ids=(1, 2, 3), block_size=4, max_anchors=8, num_layers=2)
     return build_draft(cfg, heads), V, H

@@ -13,17 +13,29 @@ OPTIONS = {"dflash": {"num_layers": 2, "block_size": 4, "max_anchors": 16},
            "eagle3": {"draft_vocab_size": 96, "ttt_steps": 3}}  # fmt: skip
 
 
-def heads(dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0) -> VerifierHeads:
-    """Random frozen verifier heads (embeddings, norm, LM head) of a tiny Qwen3-shaped verifier."""
-    info = VerifierInfo(path="t", name_or_path="t", architectures=("Qwen3ForCausalLM",), model_type="qwen3",
-                        hidden_size=H, vocab_size=V, num_hidden_layers=4, num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=8, intermediate_size=64, rms_norm_eps=1e-6,
-                        rope_theta=1e4, max_position_embeddings=512, tie_word_embeddings=False)  # fmt: skip
-    g = torch.Generator().manual_seed(seed)
-    emb, head = torch.randn(V, H, generator=g), torch.randn(V, H, generator=g)
+def verifier_info(vocab: int = V, hidden: int = H, *, attention_heads: int = 4, kv_heads: int = 2,
+                  head_dim: int = 8, intermediate: int = 64, max_positions: int = 512) -> VerifierInfo:  # fmt: skip
+    """The config of a tiny four-layer Qwen3-shaped verifier."""
+    return VerifierInfo(path="t", name_or_path="t", architectures=("Qwen3ForCausalLM",), model_type="qwen3",
+                        hidden_size=hidden, vocab_size=vocab, num_hidden_layers=4,
+                        num_attention_heads=attention_heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                        intermediate_size=intermediate, rms_norm_eps=1e-6, rope_theta=1e4,
+                        max_position_embeddings=max_positions, tie_word_embeddings=False)  # fmt: skip
+
+
+def random_heads(info: VerifierInfo, generator: torch.Generator, dtype: torch.dtype = torch.float32,
+                 device: str = "cpu") -> VerifierHeads:  # fmt: skip
+    """Random frozen heads of ``info``: embeddings, then the LM head, drawn from ``generator``; norm weights 1."""
+    V, H = info.vocab_size, info.hidden_size
+    emb, head = torch.randn(V, H, generator=generator), torch.randn(V, H, generator=generator)
     return VerifierHeads(
         info, emb.to(device, dtype), torch.ones(H, device=device, dtype=dtype), head.to(device, dtype)
     )
+
+
+def heads(dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0) -> VerifierHeads:
+    """Random frozen verifier heads (embeddings, norm, LM head) of a tiny Qwen3-shaped verifier."""
+    return random_heads(verifier_info(), torch.Generator().manual_seed(seed), dtype, device)
 
 
 def draft(algorithm: str, verifier: VerifierHeads | None = None, seed: int = 0, **options):

@@ -2,106 +2,33 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import shutil
 import time
-from pathlib import Path
 
+import _online_support
 import numpy as np
 import pytest
+from _online_support import (
+    LAYERS,
+    N_PROMPTS,
+    check_sample,
+    drive,
+    make_config,
+    prefill,
+    resume_after_losing_steps,
+)
 
-from hsgen.client import ClientConfig
-from hsgen.generate import GenerateConfig, generate
-from hsgen.hidden_file import FileRows
-from hsgen.inputs import read_inputs
-from hsgen.render import ChatRenderer, RenderConfig
 from hsgen.serve.testing import running_server
 from hsgen.store import HiddenStateStore, StoreHeader
-from spectrain.online import OnlineConfig, OnlineSource, choose_scratch_dir, dir_bytes
+from spectrain.online import OnlineConfig, OnlineSource, choose_scratch_dir
 
-LAYERS = [1, 2, 4]
-N_PROMPTS = 24
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory):
-    with running_server(tiny_model_dir, LAYERS, tmp_path_factory.mktemp("hs"), dtype="float32") as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def prompts_file(sample_chats_path, tmp_path_factory) -> Path:
-    lines = Path(sample_chats_path).read_text().splitlines()[:N_PROMPTS]
-    p = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
-    p.write_text("\n".join(lines) + "\n")
-    return p
-
-
-@pytest.fixture(scope="module")
-def rendered(prompts_file, tiny_model_dir):
-    r = ChatRenderer(RenderConfig(tokenizer_path=str(tiny_model_dir)))
-    return {s.sample_id: r.render(s) for s in read_inputs([prompts_file])}, r.fingerprint
-
-
-def make_config(server, prompts_file, tiny_model_dir, tmp_path, **kw) -> OnlineConfig:
-    base = dict(
-        endpoints=[server],
-        prompts=[str(prompts_file)],
-        store=str(tmp_path / "store"),
-        verifier=str(tiny_model_dir),
-        save_path=str(tmp_path / "save"),
-        layer_ids=LAYERS,
-        scratch_dir=str(tmp_path / "scratch"),
-        shared_dir=str(server.shared_dir),
-        client_options={"max_retries": 0},
-    )
-    base.update(kw)
-    return OnlineConfig(**base)
-
-
-def drive(src: OnlineSource, epoch: int, batch: int = 3, start: int = 0, stop: int | None = None):
-    """Act like the trainer: read a batch, 'step', then report it consumed. Returns samples and peak scratch."""
-    plan = src.plan(epoch)
-    got = {}
-    peak = 0
-    end = len(plan) if stop is None else stop
-    for i in range(start, end, batch):
-        ids = plan[i : min(i + batch, end)]
-        for sid in ids:
-            got[sid] = src.get(sid)
-        if src.scratch_path is not None:
-            peak = max(peak, dir_bytes(src.scratch_path))
-        src.consumed(ids)
-    return plan, got, peak
-
-
-def check_sample(sample, prompt, dtype="float32"):
-    assert sample is not None
-    assert sample.token_ids.tolist() == prompt.token_ids
-    assert sample.loss_mask.tolist() == prompt.loss_mask
-    assert sample.hidden_states.shape == (len(prompt.token_ids), len(LAYERS), 64)
-    assert sample.dtype == dtype
-    assert np.isfinite(sample.hidden_states).all()
-
-
-def prefill(server, tmp_path, rendered, ids, shard_bytes: int = 32 << 20) -> HiddenStateStore:
-    prompts, fingerprint = rendered
-    header = StoreHeader(
-        verifier="tiny",
-        layer_ids=tuple(LAYERS),
-        hidden_size=64,
-        dtype="float32",
-        tokenizer_fingerprint=fingerprint,
-    )
-    store = HiddenStateStore.create(tmp_path / "store", header)
-    cfg = GenerateConfig(
-        client=ClientConfig(endpoints=[server], shared_dir=str(server.shared_dir)), shard_bytes=shard_bytes
-    )
-    summary = asyncio.run(generate(cfg, [prompts[i] for i in ids], store, progress=False))
-    assert summary.stored == len(ids)
-    store.refresh()
-    return store
+# The module-scoped fixtures (one reference server per test module):
+server, prompts_file, rendered = (
+    _online_support.server,
+    _online_support.prompts_file,
+    _online_support.rendered,
+)
 
 
 def test_online_delete_consumed_keeps_scratch_bounded(
@@ -307,7 +234,7 @@ def test_resume_refetches_deleted_and_reads_prefetched(
     cfg = make_config(
         server, prompts_file, tiny_model_dir, tmp_path, delete_consumed=True, persist_fetched=True
     )
-    plan, stats = _resume_after_losing_steps(cfg, rendered)
+    plan, stats = resume_after_losing_steps(cfg, rendered)
     assert stats["samples_generated"] + stats["samples_from_scratch"] == len(plan) - 6
     assert stats["samples_generated"] < len(plan) - 6  # what was prefetched beyond 12 is read, not refetched
 
@@ -330,29 +257,6 @@ def test_resumed_header_probe_fetches_a_sample_the_run_trains(
         src.close()
     assert sorted(got) == sorted(plan1[position:])
     assert stats["samples_generated"] == len(plan1) - position
-
-
-def _resume_after_losing_steps(cfg, rendered) -> tuple[list[str], dict]:
-    """Train positions 0..11 of epoch 0, let the whole window ahead land, close (as a crash after
-    the checkpoint at position 6 would: steps 6..11 are lost), resume from 6 and check every
-    sample read then. Returns the plan and the resumed source's stats."""
-    src = OnlineSource(cfg)
-    plan, _, _ = drive(src, 0, stop=12)
-    deadline = time.monotonic() + 600
-    while src.stats()["samples_generated"] < len(plan) and time.monotonic() < deadline:
-        time.sleep(0.05)  # the trainer can outrun the fetcher: let the window ahead land first
-    assert src.stats()["samples_generated"] == len(plan)
-    src.close()
-    resumed = OnlineSource(cfg)
-    try:
-        _, got, _ = drive(resumed, 0, start=6)
-        stats = resumed.stats()
-    finally:
-        resumed.close()
-    assert sorted(got) == sorted(plan[6:])
-    for sid, sample in got.items():
-        check_sample(sample, rendered[0][sid])
-    return plan, stats
 
 
 def test_ranks_fetch_only_their_share(server, prompts_file, tiny_model_dir, tmp_path, rendered):
@@ -486,139 +390,6 @@ def test_validation_source_fetches_its_split_and_cleans_up(
         finally:
             val.close()
         assert not scratch.exists()
-
-
-def _batches(src: OnlineSource, epoch: int, seq: int = 256):
-    """Train-like loop through the loader: yields each batch, then reports its samples consumed."""
-    import torch
-
-    from spectrain.data import PackedLoader
-
-    loader = PackedLoader(src, src.plan(epoch), total_seq_len=seq, layers=None, hidden_dtype=torch.float32)
-    for b in loader:
-        yield b
-        src.consumed(b.sample_ids)
-    return loader
-
-
-def test_read_once_lands_in_the_batch_and_never_in_scratch(
-    server, prompts_file, tiny_model_dir, tmp_path, rendered
-):
-    import torch
-
-    cfg = make_config(
-        server, prompts_file, tiny_model_dir, tmp_path, delete_consumed=True, scratch_bytes=3 << 20
-    )  # read once: the default with --delete-consumed
-    with OnlineSource(cfg) as src:
-        for epoch in (0, 1):
-            seen = []
-            for b in _batches(src, epoch):
-                first = b.sample_ids[0]
-                held = src.get(first)  # the same mapping the batch was read from, still held
-                n = min(len(held.token_ids), 256)
-                assert torch.equal(b.hidden_states[:n], torch.from_numpy(np.array(held.hidden_states[:n])))
-                off = 0
-                for sid in b.sample_ids:
-                    ids = rendered[0][sid].token_ids[:256]
-                    assert b.input_ids[off : off + len(ids)].tolist() == ids
-                    off += len(ids)
-                seen += b.sample_ids
-            assert sorted(seen) == sorted(rendered[0])
-            with src.ledger.lock:
-                assert not src.ledger.held  # released once their step completed
-        stats = src.stats()
-        scratch = HiddenStateStore.open(src.scratch_path)
-        assert len(scratch) == 0 and scratch.shards() == {}  # nothing was written
-    assert stats["samples_generated"] == 2 * N_PROMPTS and stats["samples_failed"] == 0
-
-
-def test_read_once_refuses_non_finite_states_as_they_are_copied(
-    server, prompts_file, tiny_model_dir, tmp_path, rendered
-):
-    import torch
-
-    server.set_faults("nan=1.0:2")
-    try:
-        cfg = make_config(
-            server, prompts_file, tiny_model_dir, tmp_path, delete_consumed=True, persist_fetched=False
-        )
-        with OnlineSource(cfg) as src:
-            trained = 0
-            for b in _batches(src, 0):
-                assert torch.isfinite(b.hidden_states).all()
-                trained += int((b.doc_ids >= 0).sum())
-            stats = src.stats()
-            failures = [json.loads(x) for x in src.failures_path.read_text().splitlines()]
-    finally:
-        server.set_faults(None)
-    assert stats["samples_failed"] == 2 and len(failures) == 2
-    assert all("NaN" in rec["reason"] for rec in failures)
-    total = sum(min(len(p.token_ids), 256) for p in rendered[0].values())
-    assert 0 < trained < total
-
-
-def test_read_once_needs_delete_consumed():
-    with pytest.raises(ValueError, match="persist_fetched"):
-        OnlineConfig(["http://x"], ["p"], "s", "v", persist_fetched=False).validate()
-
-
-def test_read_once_is_the_default_where_nothing_is_kept():
-    def mode(**kw):
-        cfg = OnlineConfig(["http://x"], ["p"], "s", "v", **kw)
-        cfg.validate()
-        return cfg.reads_once
-
-    assert mode(delete_consumed=True)  # samples are deleted after their step anyway
-    assert not mode()  # later epochs read what was fetched
-    assert not mode(cache_generated=True)  # kept in the user's store
-    assert not mode(delete_consumed=True, persist_fetched=True)  # asked for explicitly
-
-
-def test_read_once_holds_the_bound_and_trains_each_sample_once_per_epoch(
-    server, prompts_file, tiny_model_dir, tmp_path, rendered
-):
-    bound = 3 << 20
-    cfg = make_config(
-        server, prompts_file, tiny_model_dir, tmp_path, scratch_bytes=bound, delete_consumed=True
-    )
-    sizes = []
-    with OnlineSource(cfg) as src:
-        assert src.config.reads_once
-        assert src.header.num_layers == len(
-            LAYERS
-        )  # as the trainer does: the probe fetches the first sample,
-        src.plan(1)  # then every epoch is planned to size the LR schedule
-        for epoch in (0, 1):
-            plan = src.plan(epoch)
-            for i in range(0, len(plan), 3):
-                ids = plan[i : i + 3]
-                for sid in ids:
-                    check_sample(src.get(sid), rendered[0][sid])
-                with src.ledger.lock:
-                    sizes.append(src.ledger.in_use())
-                    rows = [src.ledger.held[sid][0].hidden_states for sid in ids if sid in src.ledger.held]
-                assert rows and all(isinstance(r, FileRows) for r in rows)  # left in the server's file
-                src.consumed(ids)
-                assert all(r._file.fd < 0 for r in rows)  # its pages released with the step
-        stats = src.stats()
-        scratch = HiddenStateStore.open(src.scratch_path)
-        assert len(scratch) == 0  # nothing committed
-    assert max(sizes) <= bound and 0 < stats["held_peak_bytes"] <= bound
-    assert stats["held_bytes"] == 0  # every held sample released after its step
-    assert stats["samples_generated"] == 2 * N_PROMPTS and stats["overshoots"] == 0
-    log = [
-        json.loads(x) for x in (tmp_path / "save" / "online-consumed-rank0.jsonl").read_text().splitlines()
-    ]
-    for epoch in (0, 1):
-        assert sorted(i for rec in log if rec["epoch"] == epoch for i in rec["ids"]) == sorted(rendered[0])
-
-
-def test_read_once_resume_fetches_again_what_was_fetched_but_not_trained(
-    server, prompts_file, tiny_model_dir, tmp_path, rendered
-):
-    cfg = make_config(server, prompts_file, tiny_model_dir, tmp_path, delete_consumed=True)
-    plan, stats = _resume_after_losing_steps(cfg, rendered)
-    assert stats["samples_generated"] == len(plan) - 6 and stats["samples_from_scratch"] == 0
 
 
 def test_cache_generated_with_validation_writes_both_splits(
