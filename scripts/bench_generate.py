@@ -61,9 +61,40 @@ def check_ran(summary, what: str, expect_all: int | None = None) -> None:
         raise NotMeasured(f"{what}: {summary.stored} of {expect_all} samples stored")
 
 
-def served_count(url: str) -> float:
+COUNTERS = ("vllm:request_success_total", "hsgen:engine_steps_total", "hsgen:engine_busy_seconds_total")
+
+
+def served_count(url: str) -> tuple[float, ...]:
+    """The server's completed requests, forward steps and seconds spent in steps so far."""
     with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        return protocol.parse_prometheus(r.read().decode()).get("vllm:request_success_total", 0.0)
+        m = protocol.parse_prometheus(r.read().decode())
+    return tuple(m.get(k, 0.0) for k in COUNTERS)
+
+
+async def completion_rate(url: str, start: float, end: float, poll_s: float = 0.05) -> dict[str, float]:
+    """The server's completions per second between ``start`` and ``end`` (monotonic times), with
+    its steps per second and the share of that time it spent in steps.
+
+    A batching server finishes a whole step's sequences at once, so its counter moves in
+    bursts of up to C; counting from fixed instants would be off by up to one step (10% of a
+    4.5 s window at C = 64). The rate is taken between the first and the last burst seen in
+    the window instead: whole steps over the time they took (``poll_s`` of error at each end).
+    """
+    await asyncio.sleep(max(0.0, start - time.monotonic()))
+    first = last = None
+    prev = await asyncio.to_thread(served_count, url)
+    while time.monotonic() < end:
+        await asyncio.sleep(poll_s)
+        now, t = await asyncio.to_thread(served_count, url), time.monotonic()
+        if now[0] != prev[0]:
+            first = first or (t, now)
+            last = (t, now)
+        prev = now
+    if first is None or last is None or last[0] <= first[0]:
+        raise NotMeasured(f"the server at {url} finished fewer than two steps in the measured window")
+    dt = last[0] - first[0]
+    done, steps, busy = (b - a for a, b in zip(first[1], last[1], strict=True))
+    return {"rate": done / dt, "steps_per_s": steps / dt, "busy": busy / dt}
 
 
 async def run_client(url, shared, prompts, store, concurrency, seconds, measure_after):
@@ -76,15 +107,15 @@ async def run_client(url, shared, prompts, store, concurrency, seconds, measure_
         stop_grace_s=60,
     )
     task = asyncio.create_task(generate(cfg, prompts, store, progress=False, stop=stop))
-    await asyncio.sleep(measure_after)
-    n0, t0 = await asyncio.to_thread(served_count, url), time.monotonic()
-    await asyncio.sleep(seconds - measure_after)
-    n1, t1 = await asyncio.to_thread(served_count, url), time.monotonic()
-    stop.set()
-    summary = await task
+    t0 = time.monotonic()
+    try:
+        got = await completion_rate(url, t0 + measure_after, t0 + seconds)
+    finally:
+        stop.set()
+        summary = await task
     check_ran(summary, f"saturation against {url}")
     limit = summary.endpoints.get(url, {}).get("limit")
-    return (n1 - n0) / (t1 - t0), limit
+    return got, limit
 
 
 def bench_saturation(capacities, ideal_rate, prompt_len, quick, workdir: Path) -> list[dict]:
@@ -117,7 +148,12 @@ def bench_saturation(capacities, ideal_rate, prompt_len, quick, workdir: Path) -
             max_num_seqs=max(256, cap),
             max_num_batched_tokens=max(8192, 4 * cap * prompt_len),
         ) as url:
-            for name, conc in (("hsgen_default", None), ("fixed_8", 8)):
+            # the fixed client is the reference for the machine's ceiling; --quick runs it at the
+            # smallest C only (at larger C it reads about 8/C, and costs a quarter of the run)
+            clients = [("hsgen_default", None)]
+            if not quick or cap == capacities[0]:
+                clients.append(("fixed_8", 8))
+            for name, conc in clients:
                 prompts = [
                     RenderedPrompt(
                         f"{name}-{cap}-{i}",
@@ -131,11 +167,22 @@ def bench_saturation(capacities, ideal_rate, prompt_len, quick, workdir: Path) -
                 got, limit = asyncio.run(
                     run_client(url, shared, prompts, store, conc, seconds, measure_after)
                 )
-                row[name] = round(got / capacity, 3)
+                # saturation = busy share x (nominal step / mean step) x batch fill: idle time is
+                # the client's doing, longer steps the server process's (CPU), part-empty steps both
+                steps = got["steps_per_s"]
+                parts = {
+                    "busy": got["busy"],
+                    "step_speed": step * steps / got["busy"] if got["busy"] else 0.0,
+                    "fill": got["rate"] / steps / cap if steps else 0.0,
+                }
+                row[name] = round(got["rate"] / capacity, 3)
                 row[f"{name}_limit"] = limit
+                row.update({f"{name}_{k}": round(v, 3) for k, v in parts.items()})
                 shutil.rmtree(store_path, ignore_errors=True)
                 log(
-                    f"capacity {cap:4d} seqs ({capacity:.0f}/s): {name} reached {got:.1f}/s = {got / capacity:.1%} (limit {limit})"
+                    f"capacity {cap:4d} seqs ({capacity:.0f}/s): {name} reached {got['rate']:.1f}/s = "
+                    f"{got['rate'] / capacity:.1%} (limit {limit}; server busy {parts['busy']:.1%}, "
+                    f"steps at {parts['step_speed']:.1%} of the model's speed, {parts['fill']:.1%} full)"
                 )
         shutil.rmtree(shared, ignore_errors=True)
         results.append(row)
@@ -299,7 +346,8 @@ def main() -> None:
     ap.add_argument(
         "--quick",
         action="store_true",
-        help="short runs (about a minute on 2 cores): capacities 4 and 64, 32 ingest files",
+        help="short runs (about a minute on 2 cores): capacities 4 and 64 (the fixed client at 4 only), "
+        "32 ingest files",
     )
     ap.add_argument("--capacities", default=None, help="comma-separated concurrent-sequence capacities")
     ap.add_argument("--rate", type=float, default=150.0, help="server capacity in sequences per second")

@@ -12,6 +12,7 @@ import collections
 import time
 
 import pytest
+from _batch_sim import simulate
 
 from hsgen.saturate import RUNNING, WAITING, SaturationConfig, Saturator
 
@@ -152,3 +153,43 @@ async def test_acquire_prefers_least_loaded_and_healthy():
     assert not waiter.done(), "a free slot on an unhealthy server is not used"
     await sat.release("http://b", latency_s=0.1, tokens=1, ok=True)
     assert await asyncio.wait_for(waiter, 1) == "http://b"
+
+
+# ---------------------------------------------------------------- deterministic simulation
+# The same policy against a simulated batching server on a fake clock (tests/hsgen/_batch_sim.py):
+# no wall clock, so the figures are exact on any machine at any load.
+
+
+def _margin(capacity: int) -> float:
+    cfg = SaturationConfig()
+    return max(cfg.min_waiting, cfg.waiting_frac * capacity)
+
+
+@pytest.mark.parametrize("stall_every", [0, 7], ids=["steady-client", "client-stalls"])
+@pytest.mark.parametrize("capacity", [4, 16, 64, 256])
+def test_default_policy_fills_every_step_without_flooding(capacity, stall_every):
+    """The default keeps a C-sequence server's steps full at small and large C, also when the
+    client stalls for 60% of a step every 7 steps, with at most four batches in flight at any
+    time and about three once settled (the policy of 5ffa781 peaked at 8 C and settled at 5 C)."""
+    step_s = capacity / 150
+    r = simulate(capacity, step_s, seconds=60, measure_from=30, stall_every=stall_every, stall_s=0.6 * step_s)
+    m = _margin(capacity)
+    assert r.utilisation >= 0.97, f"steps {r.utilisation:.1%} full (limits {r.limits})"
+    assert r.peak_limit <= 4 * capacity + 2 * m, f"limit peaked at {r.peak_limit} (limits {r.limits})"
+    in_window = [limit for t, limit in r.limits if t >= 30] + [r.limit_at(30)]
+    assert max(in_window) <= 3.5 * capacity + 2 * m, f"settled at {in_window} (limits {r.limits})"
+
+
+def test_default_policy_raises_the_limit_for_a_slow_client():
+    """Responses that take 1.8 steps to come back need more than three batches in flight: the
+    starved steps raise the limit until they are full, and no further than four batches."""
+    step_s = 64 / 150
+    r = simulate(64, step_s, seconds=60, measure_from=30, return_s=1.8 * step_s)
+    assert r.utilisation >= 0.97, f"steps {r.utilisation:.1%} full (limits {r.limits})"
+    assert 3 * 64 < r.final_limit <= 4 * 64 + 2 * _margin(64), r.limits
+
+
+def test_fixed_concurrency_stays_fixed_in_simulation():
+    r = simulate(64, 64 / 150, SaturationConfig(concurrency=8), seconds=20, measure_from=10)
+    assert r.peak_limit == r.final_limit == 8 and len(r.limits) == 1
+    assert r.utilisation < 0.15, "8 in flight cannot fill 64-sequence steps"

@@ -89,6 +89,8 @@ async def test_batched_requests_equal_unbatched_forward(tmp_path, dtype, tol):
         after = protocol.parse_prometheus(http(url, "/metrics")[1])
     steps = after["hsgen:engine_steps_total"] - before["hsgen:engine_steps_total"]
     assert steps < len(PROMPTS), "concurrent requests were not batched"
+    busy = after["hsgen:engine_busy_seconds_total"] - before["hsgen:engine_busy_seconds_total"]
+    assert busy >= 0.29 * steps, "each step lasts at least the capacity model's 0.3 s overhead"
     for prompt, resp in zip(PROMPTS, resps, strict=True):
         states = _file_for(resp)
         expected, _, next_token = reference_states(prompt, TINY_LAYERS, dtype)

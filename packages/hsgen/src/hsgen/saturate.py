@@ -2,12 +2,15 @@
 
 A prefill-only workload (``max_tokens=1``) finishes whole batches at each step boundary, so
 a server stays busy only if the next batch is already queued when a step ends. The default
-policy keeps each server's waiting queue *just non-empty*:
+policy keeps the next batch queued at each server, with a little slack:
 
 - **metrics** (used when the server exposes ``/metrics``): poll ``vllm:num_requests_waiting``
-  a few times per step; if the queue was ever seen empty during a window while the client
-  was using its whole limit, raise the limit (multiplicatively until the queue first fills,
-  then by a quarter); if its minimum stayed well above a small target, lower the limit.
+  and ``vllm:num_requests_running`` a few times per step. The largest ``running`` seen is the
+  server's batch C. A step is full when C requests wait as it starts, while the batch before
+  it comes back through the client: so the limit doubles in slow start (while the server ran
+  half of it at once), then sits at three batches plus a margin (one step of slack), plus
+  what the server completes during the longest stall of the client seen lately; a step that
+  starved raises it by the room left empty, at most one batch more.
 - **latency** (no usable metrics): a gradient policy on the time per token of completed
   requests. The limit grows while latency stays near the best seen, and shrinks in
   proportion once queueing inflates latency beyond ``latency_tolerance`` x the best.
@@ -45,10 +48,9 @@ class SaturationConfig:
         max_limit: highest limit per server (a guard against flooding).
         use_metrics: read ``/metrics`` when the server has it (else latency policy only).
         poll_s: seconds between ``/metrics`` polls.
-        min_waiting: the smallest queue the metrics policy aims to keep.
-        waiting_frac: with ``min_waiting``, the queue margin is ``max(min_waiting,
-            waiting_frac * running)``; when the queue never drops below one batch (the
-            largest ``running`` seen) plus the margin, the limit shrinks.
+        min_waiting: the smallest margin of queued requests the metrics policy keeps.
+        waiting_frac: with ``min_waiting``, the margin is ``max(min_waiting, waiting_frac * C)``
+            where C is the largest ``running`` seen (the server's batch).
         latency_tolerance: latency policy: accepted latency growth over the best seen. A
             prefill-only server finishes whole batches per step, so a request needs about
             two steps once the next batch is queued (vs. one when idle): hence about 2.
@@ -82,10 +84,14 @@ class EndpointControl:
     peak_in_flight: int = 0
     metrics_failures: int = 0
     peak_running: float = 0.0
-    phase: str = "slow_start"
-    hold_windows: int = 0
-    prev_throughput: float = 0.0
+    phase: str = "slow_start"  # "slow_start" | "steady" (metrics policy)
     window_completed: int = 0
+    window_starved: float = 0.0  # the most room a step left empty in this window
+    calm_windows: int = 0  # windows in a row without a starved step
+    needed: float = 0.0  # the limit the last starvation called for (fading)
+    last_sample: float | None = None  # when the last /metrics sample came
+    window_gap: float = 0.0  # the longest wait between two samples beyond poll_s, this window
+    stall_s: float = 0.0  # the longest such wait lately (fading by 10% a window)
     peak_seen: float = 0.0
     window_start: float = field(default_factory=time.monotonic)
     window_waiting: list[float] = field(default_factory=list)
@@ -108,6 +114,8 @@ class EndpointControl:
         self.window_waiting.clear()
         self.window_running.clear()
         self.window_completed = 0
+        self.window_starved = 0.0
+        self.window_gap = 0.0
         self.peak_seen = 0.0
         self.peak_in_flight = self.in_flight
 
@@ -120,6 +128,7 @@ class Saturator:
         endpoints: server URLs.
         metrics: ``async (url) -> dict | None`` reading a server's ``/metrics``.
         healthy: ``(url) -> bool``; unhealthy servers get no new requests.
+        clock: seconds, monotonic (a simulation passes its own).
     """
 
     def __init__(
@@ -128,15 +137,17 @@ class Saturator:
         endpoints: Sequence[str],
         metrics: Callable[[str], Awaitable[dict[str, float] | None]] | None = None,
         healthy: Callable[[str], bool] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.config = config
+        self._clock = clock
         if config.concurrency is not None:
             mode, start = "fixed", float(config.concurrency)
         elif config.use_metrics and metrics is not None:
             mode, start = "metrics", float(config.initial)
         else:
             mode, start = "latency", float(config.initial)
-        self.controls = {url: EndpointControl(url, start, mode) for url in endpoints}
+        self.controls = {url: EndpointControl(url, start, mode, window_start=clock()) for url in endpoints}
         self._metrics = metrics
         self._healthy = healthy or (lambda url: True)
         self._changed = asyncio.Condition()
@@ -230,7 +241,7 @@ class Saturator:
             if not ctrls:
                 return
             results = await asyncio.gather(*(self._metrics(c.url) for c in ctrls))
-            now = time.monotonic()
+            now = self._clock()
             for c, m in zip(ctrls, results, strict=True):
                 if m is None or WAITING not in m or RUNNING not in m:
                     c.metrics_failures += 1
@@ -245,60 +256,72 @@ class Saturator:
     async def observe_metrics(self, c: EndpointControl, waiting: float, running: float, now: float) -> None:
         """Feed one ``/metrics`` sample; adjusts the limit at the end of each window.
 
-        Raising the limit is worth it while the server has spare room: its queue was seen
-        empty, or completions per second rose with the last raise (slow start doubles while
-        throughput grows by a third or more, then +25% steps while it grows by 5%). A
-        prefill-only server needs the next batch queued while one runs, so the queue may
-        hold one batch (the largest ``running`` seen) plus a margin; beyond that the
-        limit shrinks. After a plateau the limit holds and is probed again every few windows.
+        The largest ``running`` seen is the server's batch C. A step is full when C requests
+        wait as it starts while the batch before it comes back through the client, so:
+
+        - slow start doubles the limit while the server ran at least half of it at once; once
+          two batches ran without that, the limit drops to the floor;
+        - the floor is three batches plus the margin (one running, one queued, one coming
+          back: a step of slack), plus what the server completes during the longest stall of
+          this client seen lately (the gap between two of these samples beyond ``poll_s``:
+          a busy event loop, a slow disk; at most two batches);
+        - a sample where even the queue cannot fill the room a step has ("starved") raises the
+          limit by that room when the client used its whole limit, up to the ceiling: one
+          batch plus the margin above the floor;
+        - a queue that never drained below twice the margin for a calm spell lowers the limit
+          by half the surplus, not below the floor nor a limit that ended a starvation lately.
         """
         cfg = self.config
+        if c.last_sample is not None:
+            c.window_gap = max(c.window_gap, now - c.last_sample - cfg.poll_s)
+        c.last_sample = now
         c.window_waiting.append(waiting)
         c.window_running.append(running)
         c.peak_running = max(c.peak_running, running)
         c.peak_seen = max(c.peak_seen, waiting + running)
-        # a window spans whole rounds of requests (one round in slow start, two after), so
-        # completions that arrive in per-step bursts are counted fairly
+        batch = c.peak_running
+        if waiting + running < batch:  # this step has room that even the queue cannot fill
+            c.window_starved = max(c.window_starved, batch - running - waiting)
         elapsed = now - c.window_start
-        rounds = c.slots if c.phase == "slow_start" else 2 * c.slots
         if len(c.window_waiting) < 3 or elapsed < 0.25:
             return
-        if c.window_completed < rounds and elapsed < 30.0:
-            # act on an empty queue only once the server has seen (most of) our requests
+        binding = c.peak_in_flight >= c.slots - 1
+        margin = max(cfg.min_waiting, cfg.waiting_frac * batch)
+        if c.phase == "slow_start":
+            # double once the server holds (most of) our requests and ran half of them at once
             arrived = c.peak_seen >= 0.8 * c.slots
-            if (
-                min(c.window_waiting) <= 0
-                and arrived
-                and c.peak_in_flight >= c.slots - 1
-                and c.phase == "slow_start"
-            ):
+            if arrived and binding and c.slots <= 2 * batch:
                 await self._set_limit(c, max(c.limit * 2.0, c.limit + cfg.min_waiting))
                 c.reset_window(now)
+            elif c.window_completed >= min(c.slots, 2 * batch) or elapsed >= 30.0:
+                # two batches ran since the last doubling and the server never took half of
+                # the limit at once: batch is its capacity, so drop the overshoot at once
+                c.phase = "steady"
+                await self._set_limit(c, min(c.limit, 3 * batch + margin))
+                c.reset_window(now)
             return
-        thr = c.window_completed / elapsed
+        c.stall_s = max(0.9 * c.stall_s, c.window_gap)
+        # a window spans two batches of completions, so per-step bursts average out
+        if c.window_completed < 2 * max(1.0, batch) and elapsed < 30.0:
+            return
         lo = min(c.window_waiting)
-        margin = max(cfg.min_waiting, cfg.waiting_frac * c.peak_running)
-        binding = c.peak_in_flight >= c.slots - 1
-        excess = lo - (c.peak_running + margin)
-        gain = thr / c.prev_throughput if c.prev_throughput > 0 else math.inf
-        if excess > 0:
-            c.phase = "hold"
-            await self._set_limit(c, c.limit - excess / 2)
-        elif binding and (lo <= 0 and c.phase != "hold" or c.phase == "slow_start" and gain >= 1.33):
-            await self._set_limit(c, max(c.limit * 2.0, c.limit + cfg.min_waiting))
-        elif binding and c.phase != "hold" and gain >= 1.05:
-            c.phase = "climb"
-            await self._set_limit(c, max(c.limit * 1.25, c.limit + cfg.min_waiting))
-        elif binding and c.phase != "hold":
-            c.phase = "hold"
-            c.hold_windows = 0
-        elif c.phase == "hold":
-            c.hold_windows += 1
-            if binding and (lo <= 0 or c.hold_windows >= 8):
-                c.phase = "climb"
-                await self._set_limit(c, max(c.limit * 1.25, c.limit + cfg.min_waiting))
-        c.prev_throughput = thr if binding else c.prev_throughput
-        c.slow_start = c.phase == "slow_start"
+        slack = min(2 * batch, c.stall_s * c.window_completed / elapsed)
+        floor = 3 * batch + margin + slack
+        ceiling = floor + batch + margin
+        if c.limit < floor:
+            await self._set_limit(c, floor)
+        if c.window_starved:
+            c.calm_windows = 0
+            if binding and c.limit < ceiling:
+                await self._set_limit(c, min(ceiling, c.limit + max(cfg.min_waiting, c.window_starved)))
+            c.needed = max(c.needed, c.limit)
+        else:
+            # a sampled minimum can miss the moment a step starts: shrink only after a calm
+            # spell, and not below a limit that ended a starvation (that memory fades by 1% a window)
+            c.calm_windows += 1
+            c.needed *= 0.99
+            if lo > 2 * margin and c.calm_windows >= 4:
+                await self._set_limit(c, max(floor, c.needed, c.limit - (lo - margin) / 2))
         c.reset_window(now)
 
     # ---------------------------------------------------------------- latency policy
@@ -307,7 +330,7 @@ class Saturator:
         c.lat_sum += latency_s
         c.tok_sum += max(1, tokens)
         c.lat_count += 1
-        now = time.monotonic()
+        now = self._clock()
         if c.lat_count < max(8, c.slots // 2) or now - c.window_start < 0.1:
             return
         per_token = c.lat_sum / c.tok_sum

@@ -74,6 +74,7 @@ class EngineStats:
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     steps_total: int = 0
+    busy_seconds_total: float = 0.0  # wall time spent in steps (the rest the engine waited for work)
     finished: collections.Counter = field(default_factory=collections.Counter)
 
 
@@ -196,6 +197,7 @@ class Engine:
                 if remaining > 0:
                     await asyncio.sleep(remaining)
             self.stats.steps_total += 1
+            self.stats.busy_seconds_total += time.perf_counter() - t0
             self._finish_step(batch, outputs)
 
     def _finish_step(self, batch, outputs) -> None:

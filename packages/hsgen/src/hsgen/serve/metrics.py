@@ -84,6 +84,12 @@ def render_metrics(state: ServerState) -> str:
         "Forward steps run (each batches every running sequence).",
         [("hsgen:engine_steps_total", base, stats.steps_total if stats else 0)],
     )
+    family(
+        "hsgen:engine_busy_seconds",
+        "counter",
+        "Seconds spent running forward steps (the rest of the time the engine waited for work).",
+        [("hsgen:engine_busy_seconds_total", base, stats.busy_seconds_total if stats else 0.0)],
+    )
     writer = state.writer
     family(
         "hsgen:hidden_states_writes_inflight",
