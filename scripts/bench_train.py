@@ -266,7 +266,7 @@ def run_timed(args) -> dict:
     gpu = device.type == "cuda"
     shape = GPU_SHAPE if gpu else (TINY_SHAPE if args.tiny else CPU_SHAPE)
     opts = GPU_OPTS if gpu else (TINY_OPTS if args.tiny else CPU_OPTS)
-    steps = args.steps or (2 if args.quick or args.tiny else 10)
+    steps = args.steps or (1 if args.quick else 3 if args.tiny else 10)  # quick: after one warm-up step
     warmup = 3 if gpu else 1
     peak = args.peak_tflops * 1e12
     result: dict = {"device": torch.cuda.get_device_name(device) if gpu else "cpu", "shape": shape,
@@ -465,7 +465,9 @@ def main() -> None:
     )
     ap.add_argument("--tiny", action="store_true", help="a tiny shape (tests; seconds on CPU)")
     ap.add_argument(
-        "--quick", action="store_true", help="2 steps, small loader stores (~30 s on 2 CPU cores)"
+        "--quick",
+        action="store_true",
+        help="1 timed step per part, small loader stores (~30 s on 2 CPU cores)",
     )
     ap.add_argument("--device", default="auto", help="auto | cuda | cpu")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per model")
