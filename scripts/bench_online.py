@@ -162,6 +162,10 @@ def tiny_bench(args) -> dict:
                 stats = src.stats()
                 src.close()
             elapsed = time.perf_counter() - t_start
+    if len(steps) <= args.warmup_steps or stats["samples_failed"]:
+        # nothing (or too little) was fetched and trained on: no figure to print
+        raise SystemExit(f"bench_online: the tiny part did not run whole: {len(steps)} steps (warm-up "
+                         f"{args.warmup_steps}), {stats['samples_failed']} samples failed")  # fmt: skip
     k = args.warmup_steps
     steady = sum(waits[k:]) / max(sum(steps[k:]), 1e-9)
     overall = sum(waits) / max(sum(steps), 1e-9)
