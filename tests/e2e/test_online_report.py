@@ -20,6 +20,7 @@ def test_a_seven_step_online_run_reports(tmp_path, tiny_model_dir, sample_chats_
         r = subprocess.run([
             sys.executable, "-m", "spectrain.cli", "train", "--online", "--endpoint", url, "--prompts", str(prompts),
             "--verifier", str(tiny_model_dir), "--save-path", str(save), "--shared-dir", str(url.shared_dir),
+            "--scratch-dir", str(tmp_path / "scratch"),  # not /dev/shm: a stopped run keeps what it fetched
             "--online-option", "layer_ids=[1,2,4]", "--total-seq-len", "256", "--block-size", "4",
             "--num-layers", "1", "--max-anchors", "16", "--val-fraction", "0", "--max-steps", "7",
             "--device", "cpu", "--no-progress"], capture_output=True, text=True, timeout=400)  # fmt: skip
