@@ -4,6 +4,8 @@ shard's ``zarr.json``, the generate summary and spectrain's 401 line."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from test_user_errors import free_port, run
 
@@ -62,3 +64,74 @@ def test_spectrain_online_refuses_credentials_and_writes_none(tmp_path, sample_c
             module="spectrain.cli", timeout=600)  # fmt: skip
     _refused(r)
     assert not save.exists() or KEY.encode() not in _all_bytes(save)
+
+
+# Issue 33: every route an endpoint takes to a log line. The INFO line naming a rank's endpoints
+# used to print the key before the URL was refused (a template, --world-size > 1, launcher ranks).
+ROUTES = {
+    "template": (["--endpoint", "http://user:{key}@127.0.0.1:{{{port}+local_rank}}"], {}),
+    "world_size": (["--endpoint", "http://user:{key}@127.0.0.1:{port}", "--world-size", "2", "--rank", "1"], {}),
+    "launcher_env": (["--endpoint", "http://user:{key}@127.0.0.1:{port}"], {"WORLD_SIZE": "2", "RANK": "1"}),
+    "per_local_rank": (["--endpoint", "http://127.0.0.1:1", "--endpoint", "http://user:{key}@127.0.0.1:{port}",
+                        "--endpoint-per-local-rank"], {"LOCAL_RANK": "1"}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("route", sorted(ROUTES))
+def test_generate_prints_no_key_whatever_route_the_endpoint_takes(tmp_path, route):
+    flags, env = ROUTES[route]
+    port = free_port()
+    flags = [f.format(key=KEY, port=port) for f in flags]
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"id": "a", "input_ids": [1, 2, 3]}\n')
+    store = tmp_path / "store"
+    r = run("generate", data, "--store", store, *flags, "--shared-dir", tmp_path, "--layer-ids", "1,2,4",
+            "--no-progress", env=env)  # fmt: skip
+    _refused(r)
+    assert not store.exists() or KEY.encode() not in _all_bytes(store)
+
+
+def test_spectrain_online_template_prints_no_key(tmp_path, sample_chats_path, tiny_model_dir):
+    url = f"http://user:{KEY}@127.0.0.1:{{{free_port()}+local_rank}}"
+    save = tmp_path / "run"
+    r = run("train", "--verifier", tiny_model_dir, "--max-steps", "1", "--online", "--endpoint", url,
+            "--prompts", sample_chats_path, "--save-path", save, "--online-option", "layer_ids=[1,2,3,4]",
+            module="spectrain.cli", timeout=600, env={"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"})  # fmt: skip
+    _refused(r)
+    assert not save.exists() or KEY.encode() not in _all_bytes(save)
+
+
+def test_spectrain_online_config_file_prints_no_key(tmp_path, sample_chats_path, tiny_model_dir):
+    config = tmp_path / "train.json"
+    config.write_text(json.dumps({"online": True, "prompts": str(sample_chats_path), "max_steps": 1,
+                                  "endpoints": [f"http://user:{KEY}@127.0.0.1:{{{free_port()}+local_rank}}"],
+                                  "save_path": str(tmp_path / "run")}))  # fmt: skip
+    r = run("train", "--config", config, "--verifier", tiny_model_dir, "--online-option", "layer_ids=[1,2,3,4]",
+            module="spectrain.cli", timeout=600)  # fmt: skip
+    _refused(r)
+
+
+def test_log_lines_carry_no_url_credentials_whatever_logs_them():
+    import io
+    import logging
+
+    from hsgen.log_format import RedactingFormatter, redact_text
+
+    assert redact_text(f"a http://u:{KEY}@h:1/x and s3://AKIA:{KEY}@b/p, mail a@b") == (
+        "a http://<redacted>@h:1/x and s3://<redacted>@b/p, mail a@b"
+    )
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(RedactingFormatter("%(levelname)s %(message)s"))
+    log = logging.getLogger("hsgen.test_redaction")
+    log.addHandler(handler)
+    try:
+        log.warning("endpoints %s", [f"http://user:{KEY}@h:8000"])
+        try:
+            raise ValueError(f"cannot reach https://{KEY}@h")
+        except ValueError:
+            log.exception("failed")  # the traceback's lines too
+    finally:
+        log.removeHandler(handler)
+    err = out.getvalue()
+    assert KEY not in err and err.count("<redacted>@h") == 3, err

@@ -4,8 +4,6 @@ starts fast and never pulls in the server's dependencies."""
 from __future__ import annotations
 
 import importlib
-import logging
-import sys
 
 import click
 
@@ -74,9 +72,9 @@ def json_object_option(text: str | None, param_hint: str) -> dict:
 
 def _set_log_level(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
     if value is not None:
-        logging.basicConfig(level=value.upper(), stream=sys.stderr,
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
-        logging.getLogger().setLevel(value.upper())
+        from hsgen.log_format import setup_logging
+
+        setup_logging(value)
 
 
 def _set_progress(ctx: click.Context, param: click.Parameter, value: bool | None) -> bool | None:

@@ -4,7 +4,6 @@ the dataset-input options, and what they build (the renderer, the inputs, loggin
 from __future__ import annotations
 
 import logging
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,11 +18,10 @@ def apply_options(f: Callable, options: Sequence[Callable]) -> Callable:
 
 
 def setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    """Log lines on stderr, credentials in URLs redacted (:mod:`hsgen.log_format`)."""
+    from hsgen.log_format import setup_logging as setup
+
+    setup(level if level.upper() in logging.getLevelNamesMapping() else "INFO")
 
 
 def template_kwargs_option(text: str | None) -> dict[str, Any]:

@@ -97,17 +97,21 @@ def generate(
     inputs = dataset_inputs(inputs, split, max_samples, streaming)
     try:
         ranks = resolve_ranks(world_size, rank)
-        original = list(endpoints)
-        endpoints = endpoints_for_rank(endpoints, ranks, per_local_rank=endpoint_per_local_rank)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--rank") from None
+    original = list(endpoints)
+    try:
+        endpoints = endpoints_for_rank(endpoints, ranks, per_local_rank=endpoint_per_local_rank)
+    except ValueError as e:  # a bad template, or credentials in a URL (the message shows it redacted)
+        raise click.UsageError(str(e)) from None
     world_size, rank = ranks.world_size, ranks.rank
     if join and is_remote(store_path):
         raise click.BadParameter(
             "claims need a store on a file system, not object storage", param_hint="--join"
         )
     if ranks.world_size > 1 or ranks.source != "default" or any("{" in e for e in original):
-        log.info("hsgen generate: %s, endpoints %s", ranks.describe(), ", ".join(endpoints))
+        shown = ", ".join(protocol.redact_url(e) for e in endpoints)
+        log.info("hsgen generate: %s, endpoints %s", ranks.describe(), shown)
     ids = None
     if layer_ids:
         try:

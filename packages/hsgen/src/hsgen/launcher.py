@@ -137,7 +137,16 @@ def expand_endpoint(template: str, ranks: Ranks) -> str:
 
 def endpoints_for_rank(endpoints: Sequence[str], ranks: Ranks, *, per_local_rank: bool = False) -> list[str]:
     """The endpoints this rank talks to: templates expanded; with ``per_local_rank`` only the
-    ``local_rank``-th of the list (modulo its length, so 8 ranks can share 4 servers)."""
+    ``local_rank``-th of the list (modulo its length, so 8 ranks can share 4 servers).
+
+    Raises:
+        ValueError: a template is not one (see :func:`expand_endpoint`), or an endpoint carries
+            credentials (the message shows it redacted: :func:`hsgen.protocol.check_no_credentials`).
+    """
+    from hsgen import protocol
+
+    for e in endpoints:  # before anything is expanded, logged or printed
+        protocol.check_no_credentials(e)
     urls = [expand_endpoint(e, ranks) for e in endpoints]
     if per_local_rank and urls:
         return [urls[ranks.local_rank % len(urls)]]

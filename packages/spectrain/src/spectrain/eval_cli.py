@@ -202,9 +202,9 @@ def eval_command(draft_dir, verifier, revision, prompts_path, max_new_tokens, sp
     from hsgen import progress as hsgen_progress
 
     hsgen_progress.configure(progress)  # before transformers is imported: its bars follow
-    logging.basicConfig(
-        level=log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    from hsgen.log_format import setup_logging
+
+    setup_logging(log_level)
     say = _phase_logger(progress)
     say("importing torch and transformers")
     import torch

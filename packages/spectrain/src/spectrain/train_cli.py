@@ -37,9 +37,9 @@ DEFAULT_SAVE_PATH = "./output/checkpoints"
 
 
 def _setup_logging() -> None:
-    logging.basicConfig(
-        level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    from hsgen.log_format import setup_logging
+
+    setup_logging(logging.INFO)
 
 
 def _parse_value(text: str) -> Any:

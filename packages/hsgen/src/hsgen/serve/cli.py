@@ -103,11 +103,9 @@ def serve(**opts) -> None:
     Behaves like `vllm serve MODEL` with the extract_hidden_states speculative method and
     ExampleHiddenStatesConnector (see docs/serve.md). Stop with Ctrl-C or SIGTERM.
     """
-    logging.basicConfig(
-        level=opts.pop("log_level"),
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    from hsgen.log_format import setup_logging
+
+    setup_logging(opts.pop("log_level"))
     config = config_from_options(opts)
     _need_serve_extra()
     from hsgen.serve.runner import bind

@@ -159,10 +159,12 @@ def verify(store: str, as_json: bool, progress: bool | None) -> None:
 def gc(store: str, as_json: bool, dry_run: bool, repair: bool, shared_dirs: tuple[str, ...]) -> None:
     """Reclaim space in STORE: orphaned temp files, uncommitted shards of dead writers, deleted shards,
     and later copies of sample ids stored twice."""
+    from hsgen.log_format import setup_logging
+
     from .leases import LEASE_DIR, sweep_dead_leases
     from .store import HEADER_FILE
 
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s", stream=sys.stderr)
+    setup_logging(logging.INFO, "%(levelname)s %(message)s")
     path = Path(store)
     if not is_remote(store) and not (path / HEADER_FILE).exists() and (path / LEASE_DIR).is_dir():
         out = {"removed_temp": 0, "removed_uncommitted": 0, "removed_deleted": 0, "bytes_freed": 0}

@@ -197,6 +197,7 @@ class OnlineConfig:
 def _node_local(kwargs: dict[str, Any], rank: int, world_size: int) -> list[str]:
     """The endpoints of this rank: templates expanded with its local rank, or the
     ``LOCAL_RANK``-th of the list with ``endpoint_per_local_rank``."""
+    from hsgen import protocol
     from hsgen.launcher import Ranks, endpoints_for_rank, resolve_ranks
 
     try:
@@ -208,7 +209,8 @@ def _node_local(kwargs: dict[str, Any], rank: int, world_size: int) -> list[str]
         list(kwargs["endpoints"]), ranks, per_local_rank=bool(kwargs.get("endpoint_per_local_rank"))
     )
     if urls != list(kwargs["endpoints"]):
-        log.info("rank %d (local rank %d) uses endpoints %s", rank, ranks.local_rank, urls)
+        shown = [protocol.redact_url(u) for u in urls]
+        log.info("rank %d (local rank %d) uses endpoints %s", rank, ranks.local_rank, shown)
     return urls
 
 
