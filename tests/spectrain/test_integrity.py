@@ -149,3 +149,32 @@ def test_a_damaged_manifest_line_is_counted_as_lost_and_the_run_exits_non_zero(
     assert "1 stored samples are hidden by damaged manifest lines" in last and "--accept-refused 1" in last, (
         last
     )
+
+
+def test_a_truncated_chunk_warns_naming_store_shard_and_each_sample(
+    tiny_store, tiny_model_dir, tmp_path, caplog
+):
+    """Issue 33: a token_ids chunk cut short warned 'store X: file ends at byte N, M bytes short'
+    with no shard and no sample id, while ``hsgen verify`` named the samples; each warning names
+    the store, the shard and the sample now, the same samples verify names."""
+    from hsgen.store.verify import verify_report
+
+    store = tmp_path / "store"
+    shutil.copytree(tiny_store, store)
+    st = HiddenStateStore.open(store)
+    ids = st.sample_ids()
+    shard = st.record(ids[-1]).shard
+    last = [sid for sid in ids if st.record(sid).shard == shard][-2:]
+    chunk = store / shard / "token_ids" / "c" / "0"
+    cut = 8 * st.record(last[1]).length + 4  # all of the last sample's ids and half of one of the one before
+    chunk.write_bytes(chunk.read_bytes()[:-cut])
+    damaged = set(verify_report(HiddenStateStore.open(store)).samples_affected)
+    assert damaged == set(last)
+    summary = train(small_config(store, tiny_model_dir, tmp_path / "run"))
+    assert summary["samples_refused"] == 2
+    warned = [r.getMessage() for r in caplog.records if "skipped, not trained" in r.getMessage()]
+    assert warned, caplog.text
+    for line in warned:
+        assert str(store) in line and shard in line, line
+        assert any(repr(sid) in line for sid in damaged), line
+    assert {sid for sid in damaged if any(repr(sid) in line for line in warned)} == damaged

@@ -22,6 +22,7 @@ from _online_support import (
 from hsgen.serve.testing import running_server
 from hsgen.store import HiddenStateStore, StoreHeader
 from spectrain.online import OnlineConfig, OnlineSource, choose_scratch_dir
+from spectrain.online.scratch import scratch_dirs
 
 # The module-scoped fixtures (one reference server per test module):
 server, prompts_file, rendered = (
@@ -312,6 +313,25 @@ def test_a_new_store_never_adopts_a_hidden_size_the_model_does_not_have(
     assert not (tmp_path / "store").exists()
 
 
+def test_a_failed_run_prints_no_figure_it_does_not_know(
+    server, prompts_file, tiny_model_dir, tmp_path, caplog
+):
+    """Issue 33: removing a failed run's scratch logged '/dev/shm has 25.28 GB free, 4611686018.43 GB
+    needed' (a made-up need, to find where a scratch store might be) before any header was known."""
+    verifier = tmp_path / "verifier"
+    shutil.copytree(tiny_model_dir, verifier)
+    config = json.loads((verifier / "config.json").read_text())
+    (verifier / "config.json").write_text(json.dumps({**config, "hidden_size": 32}))
+    cfg = make_config(server, prompts_file, verifier, tmp_path, scratch_dir=None)
+    caplog.set_level("INFO")
+    with OnlineSource(cfg) as src:
+        with pytest.raises(RuntimeError, match="hidden size 64, the model's is 32"):
+            src.get(src.plan(0)[0])
+        src.discard_scratch()
+    said = [r.getMessage() for r in caplog.records if " GB" in r.getMessage()]
+    assert not [m for m in said if "4611686018" in m or "needed" in m], said
+
+
 def test_choose_scratch_dir_falls_back_when_tmpfs_is_small(tmp_path):
     shm = tmp_path / "shm"
     shm.mkdir()
@@ -320,6 +340,7 @@ def test_choose_scratch_dir_falls_back_when_tmpfs_is_small(tmp_path):
     assert choose_scratch_dir(str(tmp_path / "save"), 1, 1 << 20, shm=str(shm)) == small  # stable for resume
     huge = choose_scratch_dir(str(tmp_path / "save"), 1, 1 << 60, shm=str(shm))
     assert huge == tmp_path / "save" / "online-scratch-rank1"
+    assert scratch_dirs(str(tmp_path / "save"), 1, shm=str(shm)) == (small, huge)
 
 
 def test_config_from_train_config(tiny_model_dir, tmp_path):

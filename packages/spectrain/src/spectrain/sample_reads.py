@@ -178,10 +178,14 @@ def verify_sample_read(store: HiddenStateStore, sample_id: str, hidden: np.ndarr
 
     try:
         store.read_into(sample_id, hidden, token_ids, loss_mask, verify=verify, target_ids=target_ids)
-    except KeyError as e:  # deleted since it was located
-        raise SampleRefused(f"store {store.path}: {e.args[0] if e.args else e}") from e
-    except (StoreError, OSError, EOFError) as e:
-        raise SampleRefused(f"store {store.path}: {e}") from e
+    except KeyError as e:  # deleted since it was located: no shard holds it any more
+        raise SampleRefused(
+            f"store {store.path}: sample {sample_id!r} is no longer in it (its shard was deleted)"
+        ) from e
+    except StoreError as e:  # the store's message names the store, the shard and the sample
+        raise SampleRefused(str(e)) from e
+    except (OSError, EOFError) as e:
+        raise SampleRefused(f"store {store.path}: sample {sample_id!r}: {e}") from e
 
 
 # Bit patterns at or above which a value is inf or NaN: (as signed, as unsigned) integers of

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from .backend import Backend, ObjectBackend, is_remote
-from .errors import StoreError, StoreHeaderMismatch
+from .errors import CorruptSample, StoreError, StoreHeaderMismatch
 from .fsutil import atomic_write_exclusive, failpoint, fsync_dir
 from .header import FORMAT_VERSION, StoreHeader
 from .integrity import check_sample
@@ -279,6 +279,13 @@ class HiddenStateStore:
             entry.users += 1
             return entry
 
+    def _acquire_for(self, info: ShardInfo, sample_id: str) -> _Reader:
+        """:meth:`_acquire` of ``info``'s shard, its failure naming the sample it was opened for."""
+        try:
+            return self._acquire(info.name)
+        except (StoreError, OSError) as e:
+            raise self._unreadable(info, sample_id, e) from e
+
     def _release(self, entry: _Reader) -> None:
         with self._lock:
             entry.users -= 1
@@ -294,16 +301,23 @@ class HiddenStateStore:
                 ``StoreError``, on mismatch); costs a pass over the bytes at several GB/s.
         """
         info, i = self._lookup(sample_id)
-        entry = self._acquire(info.name)
+        entry = self._acquire_for(info, sample_id)
         try:
             return self._read_row(entry.reader, info, i, verify)
         finally:
             self._release(entry)
 
+    def _unreadable(self, info: ShardInfo, sample_id: str, e: BaseException) -> StoreError:
+        """The error for a sample whose rows cannot be read: it names the store, the shard and the sample."""
+        return StoreError(f"store {self.path}: shard {info.name}, sample {sample_id!r}: {e}")
+
     def _read_row(self, reader: ShardReader, info: ShardInfo, i: int, verify: bool) -> Sample:
         sid, offset, length, checksum = info.rows[i]
-        hidden, token_ids, loss_mask, scale = reader.read(offset, length)
-        targets = reader.read_targets(offset, length)
+        try:
+            hidden, token_ids, loss_mask, scale = reader.read(offset, length)
+            targets = reader.read_targets(offset, length)
+        except (StoreError, OSError, EOFError) as e:
+            raise self._unreadable(info, sid, e) from e
         if verify:
             record = SampleRecord(sid, info.name, offset, length, checksum)
             check_sample(
@@ -322,15 +336,21 @@ class HiddenStateStore:
             hidden: ``[length, L, H]`` C-contiguous, in the storage dtype (uint16 for bfloat16).
             token_ids: ``[length]`` int64.
             loss_mask: ``[length]`` uint8.
-            verify: check the checksum as the bytes land (StoreError naming store, shard and sample).
+            verify: check the checksum as the bytes land.
             target_ids: ``[length]`` int32, filled in an ``argmax`` store (ignored otherwise).
 
         Returns:
             The sample's manifest record.
+
+        Raises:
+            KeyError: the sample is not in the store.
+            StoreError: its rows cannot be read (a file missing or cut short), or (``verify``)
+                their checksum differs from the manifest's (:class:`CorruptSample`); the
+                message names the store, the shard and the sample.
         """
         info, i = self._lookup(sample_id)
         sid, offset, length, checksum = info.rows[i]
-        entry = self._acquire(info.name)
+        entry = self._acquire_for(info, sid)
         try:
             got = entry.reader.read_into(
                 offset,
@@ -341,10 +361,17 @@ class HiddenStateStore:
                 checksum=checksum if verify else None,
                 target_ids=target_ids,
             )
+        except (StoreError, OSError, EOFError) as e:
+            raise self._unreadable(info, sid, e) from e
         finally:
             self._release(entry)
         if verify and got != checksum:
-            raise StoreError(f"{self.path / info.name}: sample {sid!r} checksum {got} != manifest {checksum}")
+            raise CorruptSample(
+                f"store {self.path}: shard {info.name}, sample {sid!r}: the stored bytes' checksum {got} "
+                f"differs from the manifest's {checksum} (run hsgen verify)",
+                sid,
+                info.name,
+            )
         return SampleRecord(sid, info.name, offset, length, checksum)
 
     def read_many(self, sample_ids: Iterable[str], *, verify: bool = True) -> list[Sample]:
@@ -361,7 +388,7 @@ class HiddenStateStore:
                     if entry is not None:
                         self._release(entry)
                         entry = None
-                    entry = self._acquire(info.name)
+                    entry = self._acquire_for(info, ids[k])
                 out[k] = self._read_row(entry.reader, info, i, verify)
         finally:
             if entry is not None:

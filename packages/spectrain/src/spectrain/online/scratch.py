@@ -19,28 +19,41 @@ PER_SAMPLE_OVERHEAD = 4096
 """Bytes counted per sample on top of its arrays (manifest line, zarr metadata share)."""
 
 
-def choose_scratch_dir(
-    save_path: str | None, rank: int, needed_bytes: int, shm: str = "/dev/shm", split: str = "train"
-) -> Path:
-    """The default scratch directory: tmpfs when it has ``needed_bytes`` free, else next to the save path.
+def scratch_dirs(
+    save_path: str | None, rank: int, shm: str = "/dev/shm", split: str = "train"
+) -> tuple[Path, Path]:
+    """``(on tmpfs, next to the save path)``: the two places a rank's scratch store may be.
 
-    The name depends only on the save path, split and rank, so a resumed run finds its scratch again.
+    The names depend only on the save path, split and rank, so a resumed run finds its scratch again.
     """
     key = hashlib.sha1(os.path.abspath(save_path or os.getcwd()).encode()).hexdigest()[:12]
     suffix = f"rank{rank}" if split == "train" else f"{split}-rank{rank}"
-    shm_dir = Path(shm) / f"spectrain-scratch-{key}-{suffix}"
+    base = Path(save_path) if save_path else Path.cwd()
+    return Path(shm) / f"spectrain-scratch-{key}-{suffix}", base / f"online-scratch-{suffix}"
+
+
+def choose_scratch_dir(
+    save_path: str | None,
+    rank: int,
+    needed_bytes: int,
+    shm: str = "/dev/shm",
+    split: str = "train",
+    needed_what: str = "the scratch needs",
+) -> Path:
+    """The default scratch directory: tmpfs when it has ``needed_bytes`` free, else next to the save path.
+
+    ``needed_what`` says in the log line what ``needed_bytes`` is (the bound, or the run's samples).
+    """
+    shm_dir, disk_dir = scratch_dirs(save_path, rank, shm, split)
     if os.path.isdir(shm) and os.access(shm, os.W_OK):
         have = shutil.disk_usage(shm).free + (dir_bytes(shm_dir) if shm_dir.exists() else 0)
         if have >= needed_bytes * 1.1:
             return shm_dir
         log.info(
-            "%s has %.2f GB free, %.2f GB needed: scratch goes next to the save path",
-            shm,
-            have / 1e9,
-            needed_bytes / 1e9,
-        )
-    base = Path(save_path) if save_path else Path.cwd()
-    return base / f"online-scratch-{suffix}"
+            "%s has %.2f GB free, %s %.2f GB: scratch goes to %s", shm, have / 1e9, needed_what,
+            needed_bytes / 1e9, disk_dir,
+        )  # fmt: skip
+    return disk_dir
 
 
 def dir_bytes(path: str | os.PathLike[str]) -> int:

@@ -151,8 +151,11 @@ class OnlineSource:
 
     def _open_scratch(self) -> None:
         cfg = self.config
-        need = cfg.scratch_bytes if cfg.delete_consumed else self._estimate_total_bytes()
-        sizes = self.stores.open_scratch(need)
+        if cfg.delete_consumed:
+            need, what = cfg.scratch_bytes, "the scratch bound (scratch_bytes) is"
+        else:
+            need, what = self._estimate_total_bytes(), "this rank's samples need about"
+        sizes = self.stores.open_scratch(need, what)
         with self.ledger.lock:
             self.ledger.sizes.update(sizes)
         self.retention.update_scratch_usage()
@@ -258,13 +261,13 @@ class OnlineSource:
 
     def _scratch_candidates(self) -> list[Path]:
         """Where this run's scratch store is (not opened yet: an earlier run's, if it left one)."""
-        from spectrain.online.scratch import SCRATCH_MARKER, choose_scratch_dir
+        from spectrain.online.scratch import SCRATCH_MARKER, scratch_dirs
 
         cfg = self.config
         if cfg.scratch_dir:
             paths = [Path(cfg.scratch_dir) / (f"rank{cfg.rank}" if cfg.world_size > 1 else "")]
-        else:
-            paths = [choose_scratch_dir(cfg.save_path, cfg.rank, n, split=cfg.split) for n in (0, 1 << 62)]
+        else:  # nothing is chosen (nor logged): both places are looked at
+            paths = list(scratch_dirs(cfg.save_path, cfg.rank, split=cfg.split))
         return [p for p in dict.fromkeys(paths) if (p / SCRATCH_MARKER).exists()]
 
     def _remove_scratch(self) -> None:

@@ -79,9 +79,10 @@ class OnlineStores:
         item = 4 if h.dtype == "float32" else 2
         return tokens * (h.num_layers * h.hidden_size * item + 9) + PER_SAMPLE_OVERHEAD
 
-    def open_scratch(self, need_bytes: int) -> dict[str, int]:
+    def open_scratch(self, need_bytes: int, need_what: str = "the scratch needs") -> dict[str, int]:
         """Open (or create) the scratch store, and the writers; returns the bytes of each sample
-        an earlier run left there (they are read, not fetched again)."""
+        an earlier run left there (they are read, not fetched again). ``need_bytes`` (what
+        ``need_what`` says it is) decides between tmpfs and the save path."""
         assert self.header is not None
         cfg = self.config
         if cfg.scratch_dir:
@@ -90,7 +91,9 @@ class OnlineStores:
             if cfg.world_size > 1:
                 path = path / f"rank{cfg.rank}"
         else:
-            path = choose_scratch_dir(cfg.save_path, cfg.rank, need_bytes, split=cfg.split)
+            path = choose_scratch_dir(
+                cfg.save_path, cfg.rank, need_bytes, split=cfg.split, needed_what=need_what
+            )
         scratch = open_scratch_store(path, self.header)
         # the training and validation sources of one process write at once: each its own writer id
         split = "" if cfg.split == "train" else f"{cfg.split}-"
