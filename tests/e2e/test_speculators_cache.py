@@ -4,34 +4,14 @@ server's states."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import subprocess
 import sys
 
 import numpy as np
-import pytest
+from _speculators import LAYERS, prepared_dataset, speculators_generate
 
 from hsgen.serve.testing import running_server
-
-LAYERS = [1, 2, 3, 4]
-
-
-def _prepared_dataset(path, model_dir, sample_chats_path, n: int):
-    """The columns speculators' prepare-data writes (input_ids, loss_mask, seq_len; torch format)."""
-    import datasets
-
-    from hsgen.render import ChatRenderer, RenderConfig
-
-    renderer = ChatRenderer(RenderConfig(tokenizer_path=str(model_dir), max_len=160))
-    rows = {"input_ids": [], "loss_mask": [], "seq_len": []}
-    for line in sample_chats_path.read_text().splitlines()[:n]:
-        ids, mask = renderer.render_messages(json.loads(line)["messages"])
-        rows["input_ids"].append(list(ids[:160]))
-        rows["loss_mask"].append(list(mask[:160]))
-        rows["seq_len"].append(min(len(ids), 160))
-    datasets.Dataset.from_dict(rows).with_format("torch").save_to_disk(str(path))
-    return rows
 
 
 def _import(*args):
@@ -40,15 +20,10 @@ def _import(*args):
 
 
 def test_a_cache_speculators_writes_imports_and_trains(tmp_path, tiny_model_dir, sample_chats_path):
-    offline = pytest.importorskip("speculators.cli.generate_offline_data",
-                                  reason="scripts/install.sh installs speculators 0.9.0")  # fmt: skip
     data = tmp_path / "output"
-    rows = _prepared_dataset(data, tiny_model_dir, sample_chats_path, 24)
+    rows = prepared_dataset(data, tiny_model_dir, sample_chats_path, 24)
     with running_server(tiny_model_dir, LAYERS, tmp_path / "shm", dtype="float32") as url:
-        asyncio.run(offline._generate_and_save_hidden_states(
-            model=None, endpoint=f"{url}/v1", preprocessed_data=str(data), output=None, max_samples=None,
-            concurrency=4, validate_outputs=True, request_timeout=600, max_retries=1, fail_on_error=True,
-            max_consecutive_errors=None, world_size=1, rank=0))  # fmt: skip
+        speculators_generate(url, data)
     files = sorted((data / "hidden_states").glob("hs_*.safetensors"))
     assert len(files) == 24  # speculators' own writer made the cache
 

@@ -13,7 +13,9 @@ its row is named and skipped, and the command then exits non-zero.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -30,18 +32,36 @@ class ImportError_(ValueError):
     """The cache cannot be imported at all (one line naming the path or flag)."""
 
 
+class StaleCache(ImportError_):
+    """The cache changed since it was imported: a file now holds other states than the stored sample."""
+
+
+RECORD_FILE = ".speculators-import.json"
+"""Inside the store: the dataset's fingerprint, its rows' sample ids and lengths, and the size and
+mtime of each cache file seen, so a later run reuses the store without reading the dataset again
+and notices a file that changed."""
+
+
 @dataclass
 class ImportResult:
     imported: int = 0
     already: int = 0
     skipped: list[str] = field(default_factory=list)
     """``file: reason`` of each file left out."""
-    missing_rows: int = 0
-    """Dataset rows without a hidden-state file (not generated yet)."""
+    missing: list[int] = field(default_factory=list)
+    """Dataset rows neither stored nor with a hidden-state file (not generated yet)."""
+    rows: int = 0
+    foreign: int = 0
+    """Stored samples that are no row of the dataset (another dataset imported into the same store)."""
+    store_exists: bool = False
+
+    @property
+    def missing_rows(self) -> int:
+        return len(self.missing)
 
     def summary(self) -> dict:
         return {"imported": self.imported, "already_stored": self.already, "skipped": len(self.skipped),
-                "rows_without_file": self.missing_rows}  # fmt: skip
+                "rows_without_file": len(self.missing)}  # fmt: skip
 
 
 def speculators_layer_ids(num_hidden_layers: int) -> list[int]:
@@ -53,7 +73,7 @@ def speculators_layer_ids(num_hidden_layers: int) -> list[int]:
 def cache_files(hidden_states_dir: Path) -> dict[int, Path]:
     """``row -> file`` of the cache (files named ``hs_<row>.safetensors``)."""
     out = {}
-    for p in hidden_states_dir.iterdir():
+    for p in Path(hidden_states_dir).iterdir():
         m = FILE_RE.match(p.name)
         if m:
             out[int(m.group(1))] = p
@@ -77,6 +97,69 @@ def _rows(data_path: Path):
     return ds.with_format(None)
 
 
+def dataset_fingerprint(data_path: Path) -> str:
+    """A hash of the files ``save_to_disk`` wrote (their names, sizes, mtimes and the JSON
+    metadata): it changes when prepare-data rewrites the dataset, not when a cache or a store
+    beside it changes."""
+    import hashlib
+
+    data_path = Path(data_path)
+    dirs = [data_path]
+    if (data_path / "dataset_dict.json").is_file():
+        splits = json.loads((data_path / "dataset_dict.json").read_text()).get("splits", [])
+        dirs += [data_path / str(name) for name in splits]
+    h = hashlib.sha256()
+    for d in dirs:
+        for p in sorted(d.iterdir()) if d.is_dir() else ():
+            if p.is_file() and p.suffix in (".arrow", ".json"):
+                st = p.stat()
+                h.update(f"{p.relative_to(data_path)}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+                if p.suffix == ".json":
+                    h.update(p.read_bytes())
+    return h.hexdigest()[:32]
+
+
+@dataclass
+class DatasetRows:
+    """The sample id (as ``hsgen generate`` gives a pre-tokenized prompt) and length of each row."""
+
+    fingerprint: str
+    ids: list[str]
+    lengths: list[int]
+
+
+def dataset_rows(data_path: str | Path, record: dict | None = None) -> DatasetRows:
+    """The rows' ids and lengths: from ``record`` (a store's import record) when the dataset is
+    unchanged, else read from the dataset."""
+    from hsgen.inputs import content_id
+
+    data_path = Path(data_path)
+    fp = dataset_fingerprint(data_path)
+    if record and record.get("dataset", {}).get("fingerprint") == fp:
+        d = record["dataset"]
+        return DatasetRows(fp, list(d["ids"]), [int(n) for n in d["lengths"]])
+    rows = _rows(data_path)
+    ids, lengths = [], []
+    for row in rows.select_columns(["input_ids", "loss_mask"]):
+        ids_, mask = [int(t) for t in row["input_ids"]], [int(m) for m in row["loss_mask"]]
+        ids.append(content_id({"input_ids": ids_, "loss_mask": mask}))
+        lengths.append(len(ids_))
+    return DatasetRows(fp, ids, lengths)
+
+
+def read_record(store_path: str | Path) -> dict:
+    try:
+        return json.loads((Path(store_path) / RECORD_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_record(store_path: Path, record: dict) -> None:
+    tmp = store_path / (RECORD_FILE + ".tmp")
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, store_path / RECORD_FILE)
+
+
 def import_cache(
     data_path: str | Path,
     store_path: str | Path,
@@ -87,65 +170,113 @@ def import_cache(
     chat_template: str | None = None,
     progress: bool | None = None,
 ) -> ImportResult:
-    """Add every readable sample of the cache at ``data_path`` to the store at ``store_path``."""
+    """Add every readable sample of the cache at ``data_path`` to the store at ``store_path``.
+
+    A row already stored is not read again; its file, if the import record saw it with another
+    size or mtime, is compared with the stored sample and a difference raises :class:`StaleCache`.
+    """
     from hsgen import protocol
-    from hsgen.hidden_file import NotReady, read_hidden_states_file
-    from hsgen.inputs import content_id
+    from hsgen.hidden_file import NotReady, all_finite, read_hidden_states_file
     from hsgen.progress import progress_bar
     from hsgen.render import ChatRenderer, RenderConfig
     from hsgen.store import HiddenStateStore, StoreError
     from hsgen.store.store import HEADER_FILE
 
-    data_path = Path(data_path)
+    data_path, store_path = Path(data_path), Path(store_path)
     hs_dir = Path(hidden_states_path) if hidden_states_path else data_path / "hidden_states"
     if not hs_dir.is_dir():
         raise ImportError_(f"{hs_dir}: no such directory (the cache's hidden_states/; --hidden-states-path)")
     files = cache_files(hs_dir)
-    if not files:
-        raise ImportError_(f"{hs_dir}: no hs_<row>.safetensors file")
-    rows = _rows(data_path)
-    renderer = ChatRenderer(RenderConfig(tokenizer_path=str(verifier), chat_template=chat_template))
-    result = ImportResult(missing_rows=sum(1 for i in range(len(rows)) if i not in files))
+    record = read_record(store_path)
+    rows = dataset_rows(data_path, record)
+    seen: dict[str, list[int]] = dict(record.get("files", {})) if record.get("dataset") else {}
     store = None
-    if (Path(store_path) / HEADER_FILE).exists():
+    if (store_path / HEADER_FILE).exists():
         try:
             store = HiddenStateStore.open(store_path)
         except StoreError as e:
             raise ImportError_(str(e)) from None
     have = set(store.sample_ids()) if store is not None else set()
+    result = ImportResult(rows=len(rows.ids), store_exists=store is not None)
+    result.skipped = [f"{p.name}: no row {r} in {data_path} ({len(rows.ids)} rows)" for r, p in sorted(files.items())
+                      if r >= len(rows.ids)]  # fmt: skip
+    renderer = None
     writer = None
+    table = None  # the dataset itself, opened once a file is to be imported
     try:
-        for row in progress_bar(sorted(files), desc="import", unit="file", disable=progress is False):
-            path = files[row]
-            if row >= len(rows):
-                result.skipped.append(f"{path.name}: no row {row} in {data_path} ({len(rows)} rows)")
-                continue
-            ids = [int(t) for t in rows[row]["input_ids"]]
-            mask = [int(m) for m in rows[row]["loss_mask"]]
-            sid = content_id({"input_ids": ids, "loss_mask": mask})
+        for row in progress_bar(range(len(rows.ids)), desc="import", unit="row", disable=progress is False):
+            sid, path = rows.ids[row], files.get(row)
+            stat = None
+            if path is not None:
+                st = path.stat()
+                stat = [st.st_size, st.st_mtime_ns]
             if sid in have:
                 result.already += 1
+                if stat is not None and seen.get(path.name, stat) != stat:
+                    _check_unchanged(store, sid, path, store_path)
+                if stat is not None:
+                    seen[path.name] = stat
+                continue
+            if path is None:
+                result.missing.append(row)
                 continue
             try:
                 hs, tokens, dtype = read_hidden_states_file(str(path))
             except (NotReady, protocol.ProtocolError, OSError) as e:
                 result.skipped.append(f"{path.name}: {e}")
                 continue
+            if table is None:
+                table = _rows(data_path)
+            ids, mask = [int(t) for t in table[row]["input_ids"]], [int(m) for m in table[row]["loss_mask"]]
             if list(map(int, tokens)) != ids:
                 result.skipped.append(f"{path.name}: its token ids differ from row {row}'s input_ids")
                 continue
+            if not all_finite(hs, dtype):
+                result.skipped.append(f"{path.name}: its hidden states hold NaN or inf")
+                continue
             if store is None:
+                if renderer is None:
+                    renderer = ChatRenderer(
+                        RenderConfig(tokenizer_path=str(verifier), chat_template=chat_template)
+                    )
                 store = _create(store_path, verifier, hs, dtype, layer_ids, renderer.fingerprint)
             if writer is None:
                 _check_shape(store.header, hs, dtype, path)
                 writer = store.writer(f"import-speculators-{_tag()}")
             writer.add(sid, hs, np.asarray(ids, np.int64), np.asarray(mask, np.uint8))
             have.add(sid)
+            seen[path.name] = stat
             result.imported += 1
     finally:
         if writer is not None:
             writer.close()
+    result.foreign = len(have - set(rows.ids))
+    if store is not None:
+        _write_record(store_path, {"hidden_states_path": str(hs_dir.resolve()), "data_path": str(data_path.resolve()),
+                                   "dataset": {"fingerprint": rows.fingerprint, "ids": rows.ids,
+                                               "lengths": rows.lengths}, "files": seen})  # fmt: skip
+        result.store_exists = True
     return result
+
+
+def _check_unchanged(store, sid: str, path: Path, store_path: Path) -> None:
+    """Raise :class:`StaleCache` when ``path`` no longer holds the stored sample's states."""
+    from hsgen import protocol
+    from hsgen.hidden_file import NotReady, read_hidden_states_file
+
+    try:
+        hs, tokens, _ = read_hidden_states_file(str(path))
+    except (NotReady, protocol.ProtocolError, OSError):
+        same = False
+    else:
+        sample = store.read(sid)
+        same = np.array_equal(tokens, sample.token_ids) and np.array_equal(
+            np.asarray(hs), np.asarray(sample.hidden_states)
+        )
+    if not same:
+        raise StaleCache(f"{path}: changed since it was imported into {store_path} (it holds other states than "
+                         "the stored sample): the cache was regenerated; import it into a new store (remove "
+                         f"{store_path}, or pass --store NEW)")  # fmt: skip
 
 
 def _tag() -> str:

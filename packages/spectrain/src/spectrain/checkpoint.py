@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 
 STATE_DIR = "trainer"
 LATEST = "latest"
+BEST = "best"
+"""``<save_path>/best``: the checkpoint of the best validation tau so far (``--save-best``)."""
 
 SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT})
 """Write errors that mean "no room": disk full, file over a size limit, quota exceeded."""
@@ -242,12 +244,30 @@ def _no_room(final: Path, need: int, free: int, why: str) -> str:
 
 
 def prune_checkpoints(save_path: Path, keep: int | None) -> None:
-    """Delete all but the newest ``keep`` checkpoints (None or 0: keep all)."""
+    """Delete all but the newest ``keep`` checkpoints (None or 0: keep all); the one ``best``
+    names (``--save-best``) is always kept."""
     if not keep:
         return
+    best = read_pointer(save_path, BEST)
     ckpts = sorted(p for p in save_path.glob("checkpoint-*") if p.is_dir())
     for p in ckpts[:-keep]:
-        shutil.rmtree(p, ignore_errors=True)
+        if p.name != best:
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def read_pointer(save_path: Path, name: str) -> str | None:
+    """The checkpoint name held by ``<save_path>/<name>`` (``latest``, ``best``), or None."""
+    try:
+        return (Path(save_path) / name).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def write_pointer(save_path: Path, name: str, checkpoint: str) -> None:
+    """Point ``<save_path>/<name>`` at ``checkpoint`` (written aside, then renamed into place)."""
+    tmp = Path(save_path) / (name + ".tmp")
+    tmp.write_text(checkpoint + "\n")
+    os.replace(tmp, Path(save_path) / name)
 
 
 def load_checkpoint_model(
@@ -276,7 +296,8 @@ SHAPE_FIELDS = ("speculator_type", "store", "prompts", "chat_template", "online"
 PINNED_FIELDS = ("optimizer", "lr", "muon_lr", "weight_decay", "betas", "muon_momentum", "muon_weight_decay",
                  "muon_ns_steps", "muon_adjust_lr", "schedule", "warmup_steps", "warmup_ratio", "min_lr_ratio")  # fmt: skip
 """Fields the checkpoint's optimizer and scheduler state carry (it would win over a new value): refused too."""
-MAY_CHANGE = ("epochs", "max_steps", "stop_after_steps", "save_every", "keep_checkpoints", "val_every",
+MAY_CHANGE = ("epochs", "max_steps", "stop_after_steps", "save_every", "save_every_epochs", "save_best",
+              "keep_checkpoints", "val_every", "run_name", "hidden_states_path", "on_missing",
               "val_max_sequences", "log_every", "report_to", "tensorboard", "max_grad_norm", "max_nonfinite_steps",
               "num_workers", "prefetch", "read_threads", "verify_samples", "device", "precision", "compile",
               "endpoints", "online_options", "delete_consumed", "cache_generated", "verifier", "verifier_name")  # fmt: skip

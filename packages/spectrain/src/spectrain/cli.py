@@ -11,7 +11,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "spectrain.train_cli:train",
         "Train a DFlash or Eagle3 draft from a store (or --online from vLLM).",
     ),
-    "export": ("spectrain.train_cli:export", "Export a training checkpoint as a directory vLLM serves."),
+    "export": ("spectrain.export_cli:export", "Export a training checkpoint as a directory vLLM serves."),
     "eval": ("spectrain.eval_cli:eval_command", "Measure acceptance length with real speculative decoding."),
     "report": (
         "spectrain.report_cli:report",

@@ -205,8 +205,17 @@ def plan(cfg) -> dict[str, Any]:
     info = read_verifier_info(cfg.verifier)
     out: dict[str, Any] = {"speculator_type": cfg.speculator_type, "verifier": cfg.verifier,
                            "save_path": cfg.save_path}  # fmt: skip
-    out["data"] = data_plan(cfg)
-    layer_ids = _store_layer_ids(cfg, info)
+    cache = None
+    if cfg.hidden_states_path and not cfg.online:  # a speculators cache: planned as it is, nothing imported
+        from spectrain.speculators_cache import view
+
+        cache = view(cfg)
+    out["data"] = data_plan(cfg, cache)
+    if cache is not None:
+        out["data"]["store"] = cache.summary["store"]
+        out["data"]["speculators_cache"] = cache.summary
+    out["checkpoints"] = checkpoint_plan(cfg, out["data"])
+    layer_ids = cache.layer_ids if cache is not None else _store_layer_ids(cfg, info)
     device = _device_type(cfg)
     bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device == "cuda")
     out["step"] = step_plan(cfg, info, layer_ids, bf16=bf16)
@@ -215,6 +224,28 @@ def plan(cfg) -> dict[str, Any]:
     if steps:
         out["total_pflop"] = round(out["step"]["flops"] * steps / 1e15, 3)
     out["device"] = device
+    return out
+
+
+def checkpoint_plan(cfg, data: dict[str, Any]) -> dict[str, Any]:
+    """How often the run checkpoints: ``save_every`` steps, or ``save_every_epochs`` as steps."""
+    from spectrain.train_setup import save_interval
+
+    out: dict[str, Any] = {
+        "save_every": cfg.save_every,
+        "save_final": cfg.save_final,
+        "save_best": cfg.save_best,
+    }
+    if cfg.save_every_epochs is not None:
+        per_epoch = data.get("steps_per_epoch")
+        if per_epoch:
+            out["save_every"] = save_interval(cfg, per_epoch)
+            out["note"] = (f"--checkpoint-freq {cfg.save_every_epochs:g} epochs = a checkpoint every "
+                           f"{out['save_every']} steps ({per_epoch} steps per epoch)")  # fmt: skip
+        else:
+            out["save_every"] = None
+            out["note"] = (f"--checkpoint-freq {cfg.save_every_epochs:g} epochs: the step interval is known once "
+                           "the prompts are rendered (the run logs it)")  # fmt: skip
     return out
 
 

@@ -246,6 +246,8 @@ def _summary_rows(
     rows: list[tuple[str, str]] = []
     train = cfg.get("train") or {}
     if train:
+        if train.get("run_name"):
+            rows.append(("run", str(train["run_name"])))
         rows.append(("algorithm", str(train.get("speculator_type", ""))))
         rows.append(("verifier", str(train.get("verifier_name") or train.get("verifier", ""))))
         rows.append(("data", "online" if train.get("online") else str(train.get("store", ""))))
@@ -361,7 +363,8 @@ def write_report(
     cfg = _latest_config(save_path)
     rows = _summary_rows(metrics, cfg, evals)
     page = out / "index.html"
-    page.write_text(_html(f"spectrain run {save_path.resolve().name}", rows, charts, hyperparameter_rows(cfg)),
+    title = (cfg.get("train") or {}).get("run_name") or save_path.resolve().name
+    page.write_text(_html(f"spectrain run {title}", rows, charts, hyperparameter_rows(cfg)),
                     encoding="utf-8")  # fmt: skip
     return {
         "html": str(page),

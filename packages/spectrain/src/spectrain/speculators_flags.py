@@ -15,7 +15,6 @@ import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import click
@@ -124,9 +123,12 @@ def _draft_arch(t: Translation, values: list[str]) -> None:
 
 
 def _on_missing(t: Translation, values: list[str]) -> None:
+    if values[0] not in ("generate", "skip", "warn", "raise"):
+        raise click.UsageError(f"--on-missing {values[0]}: generate, skip, warn or raise")
     if values[0] == "generate":
         t.tokens.append("--online")
-    else:  # only complete samples are ever stored, so a store run has nothing missing
+    else:  # a store holds only complete samples; a speculators cache's missing rows follow the policy
+        t.tokens.extend(["--on-missing", values[0]])
         t.offline = True
 
 
@@ -157,7 +159,10 @@ def _other_algorithm(name: str) -> Flag:
 
 _NO_MOONCAKE = ("refused: no Mooncake transfer; spectrain reads the files of vLLM's ExampleHiddenStatesConnector "
                 "(--shared-dir) or a store (--store)")  # fmt: skip
-_IMPORT = "hsgen import-speculators DATA_PATH --store STORE, then --store STORE"
+_CACHE = (
+    "a hidden_states/ cache beside it is trained from (imported into hidden_states.store on the first run, "
+    "reused after)"
+)
 
 FLAGS: dict[str, Flag] = dict([
     # -- general
@@ -231,8 +236,7 @@ FLAGS: dict[str, Flag] = dict([
                                                       "sdpa": "attention_backend=sdpa"}))),
     # -- data
     ("--data-path", Flag("./output", "alias of `--prompts`: its prepared dataset (input_ids, loss_mask) is read "
-                         "as pre-tokenized prompts; a hidden_states/ cache beside it: " + _IMPORT,
-                         _to("--prompts"))),
+                         "as pre-tokenized prompts; " + _CACHE, _to("--prompts"))),
     ("--hidden-states-backend", Flag("file", "accepted as `file` (vLLM's ExampleHiddenStatesConnector files, "
                                      "read from --shared-dir); fp8 and mooncake refused",
                                      _only("file", "--hidden-states-backend: spectrain reads vLLM's file "
@@ -249,8 +253,9 @@ FLAGS: dict[str, Flag] = dict([
     # -- generation
     ("--vllm-endpoint", Flag("http://localhost:8000/v1", "alias of `--endpoint` (repeatable); an endpoint makes "
                              "the run --online", _to("--endpoint"))),
-    ("--on-missing", Flag("generate", "generate: `--online` (with --store: loads what is stored, generates the "
-                          "rest); skip / warn / raise: an offline run (a store holds only complete samples)",
+    ("--on-missing", Flag("generate", "generate: `--online` (what is stored or cached is read, the rest "
+                          "generated); skip / warn / raise: an offline run; a cache's rows without a file are "
+                          "dropped, dropped with a warning, or stop the run before its first step",
                           _on_missing)),
     ("--on-generate", Flag("delete", "`--delete-consumed`: generated samples deleted once trained on; default "
                            "kept (scratch) until the run ends",
@@ -301,10 +306,11 @@ FLAGS: dict[str, Flag] = dict([
      ),
     # -- trainer
     _same("--epochs", "20", "`--epochs`, default 1"),
-    ("--checkpoint-freq", Flag("1.0 (epochs)", "refused: checkpoints are counted in steps here: --save-every N "
-                               "(default 1000; the startup line gives the steps per epoch), and one at the end")),
-    ("--save-best", Flag("off", "refused: every validation is a metrics.jsonl record; keep checkpoints "
-                         "(--save-every, --keep-checkpoints) and export the best step's", None, 0)),
+    ("--checkpoint-freq", Flag("1.0 (epochs)", "`--save-every-epochs F`: every F epochs as the equivalent step "
+                               "interval (logged at start, shown by --dry-run); default --save-every 1000 steps, "
+                               "and one at the end", _to("--save-every-epochs"))),
+    ("--save-best", Flag("off", "`--save-best`: each validation whose tau (not loss) beats every earlier one is "
+                         "checkpointed and named in <save-path>/best, never pruned", _emit("--save-best"), 0)),
     ("--no-resume-from-checkpoint", Flag("off (resume)", "`--resume none`: start fresh (default auto: resume "
                                          "<save-path>/latest)", _emit("--resume", "none"), 0)),
     ("--log-freq", Flag("1", "`--log-every`, default 10", _to("--log-every"))),
@@ -318,8 +324,8 @@ FLAGS: dict[str, Flag] = dict([
                       _to("--report-to"))),
     ("--log-dir", Flag("./logs", "refused: metrics.jsonl, tensorboard/ and the report are written under "
                        "--save-path")),
-    ("--run-name", Flag("auto-generated", "refused: trackers name the run after --save-path's last directory; "
-                        "choose the save path")),
+    _same("--run-name", "auto-generated", "`--run-name`: the trackers' run name and the report's title "
+          "({time}, {rank}, ... filled in), default --save-path's last directory"),
     # -- dflash
     _same("--block-size", "16 for dflash, 8 otherwise", "`--block-size`, default 16"),
     ("--sample-from-anchor", Flag("off for dflash", "refused: no equivalent: spectrain's DFlash never predicts "
@@ -333,8 +339,9 @@ FLAGS: dict[str, Flag] = dict([
                                                                  "fixed-exp-decay": "exp-decay"}))),
     _same("--dpace-alpha", "0.5", "`--dpace-alpha`, default 0.5"),
     # -- the hidden-state backends
-    ("--hidden-states-path", Flag("<data-path>/hidden_states", "refused: a speculators cache: " + _IMPORT
-                                  + "; online files are read from --shared-dir")),
+    _same("--hidden-states-path", "<data-path>/hidden_states", "`--hidden-states-path DIR`: the cache is "
+          "imported into DIR.store (or --store) on the first run and reused after, a changed file refused; online, "
+          "also the servers' --shared-dir"),
     *((f"--mooncake-{name}", Flag("(its default)", _NO_MOONCAKE))
       for name in ("master", "metadata-server", "protocol", "device", "global-segment-gib", "local-buffer-gib")),
 ])  # fmt: skip
@@ -357,7 +364,7 @@ for _name in ("ce-from-data", "base-anchor-full-weight"):
 
 DEFAULTS_THAT_DIFFER = ("--speculator-type", "--epochs", "--lr", "--seed", "--optimizer", "--weight-decay",
                         "--train-data-ratio", "--num-workers", "--ttt-step-loss-decay", "--sliding-window",
-                        "--on-generate", "--scheduler-type", "--log-freq")  # fmt: skip
+                        "--on-generate", "--scheduler-type", "--log-freq", "--checkpoint-freq")  # fmt: skip
 """Flags whose default differs here; named in one log line when a speculators-only spelling is used."""
 
 
@@ -513,11 +520,3 @@ def markdown_table() -> str:
         theirs, ours = (c.replace("|", "\\|") for c in (flag.theirs, flag.ours))
         rows.append(f"| `{name}` | {theirs} | {ours} |")
     return "\n".join(rows)
-
-
-def cache_dir_hint(path: str | Path) -> str | None:
-    """The one line for a speculators data directory that holds a hidden-state cache."""
-    hs = Path(path) / "hidden_states"
-    if hs.is_dir() and any(hs.glob("hs_*.safetensors")):
-        return f"{path}: a speculators hidden-state cache; {_IMPORT}"
-    return None

@@ -68,13 +68,15 @@ def _need(module: str, pip: str):
 
 
 class TensorBoardTracker:
-    """``<save_path>/tensorboard`` event files (torch's SummaryWriter)."""
+    """``<save_path>/tensorboard`` event files (torch's SummaryWriter); with a ``run_name``, in
+    ``<save_path>/tensorboard/<run_name>``, the run TensorBoard lists under that name."""
 
     def __init__(self, save_path: Path, run_name: str, config: dict[str, Any]):
         _need("tensorboard", "tensorboard")
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(str(save_path / "tensorboard"))
+        logdir = save_path / "tensorboard"
+        self.writer = SummaryWriter(str(logdir / run_name if config.get("run_name") else logdir))
 
     def log(self, scalars: dict[str, float], step: int) -> None:
         for k, v in scalars.items():
@@ -85,7 +87,7 @@ class TensorBoardTracker:
 
 
 class WandbTracker:
-    """A Weights & Biases run (project ``$WANDB_PROJECT`` or ``spectrain``, named after the save path)."""
+    """A Weights & Biases run (project ``$WANDB_PROJECT`` or ``spectrain``, named ``run_name``)."""
 
     def __init__(self, save_path: Path, run_name: str, config: dict[str, Any]):
         wandb = _need("wandb", "wandb")
@@ -119,12 +121,29 @@ class TrackioTracker:
 _CLASSES = {"tensorboard": TensorBoardTracker, "wandb": WandbTracker, "trackio": TrackioTracker}
 
 
+def run_name(config: dict[str, Any] | None, save_path: str | Path) -> str:
+    """The run's name: ``run_name`` with speculators' placeholders filled in (``{time}``,
+    ``{utc_time}``: now, ISO to the second; ``{rank}``, ``{local_rank}``: from the environment),
+    or ``save_path``'s last directory."""
+    from datetime import UTC, datetime
+
+    name = (config or {}).get("run_name")
+    if not name:
+        return Path(save_path).resolve().name
+    values = {"{time}": datetime.now().isoformat(timespec="seconds"),
+              "{utc_time}": datetime.now(UTC).isoformat(timespec="seconds"),
+              "{rank}": os.environ.get("RANK", "0"), "{local_rank}": os.environ.get("LOCAL_RANK", "0")}  # fmt: skip
+    for key, value in values.items():
+        name = name.replace(key, value)
+    return name
+
+
 class Trackers:
     """The trackers of one run; ``log(record)`` forwards a metrics record to each."""
 
     def __init__(self, names: list[str], save_path: Path, config: dict[str, Any] | None = None):
-        run_name = Path(save_path).resolve().name
-        self.trackers = [_CLASSES[n](Path(save_path), run_name, dict(config or {})) for n in names]
+        name = run_name(config, save_path)
+        self.trackers = [_CLASSES[n](Path(save_path), name, dict(config or {})) for n in names]
 
     def log(self, record: dict[str, Any]) -> None:
         if not self.trackers:

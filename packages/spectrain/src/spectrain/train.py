@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from spectrain.checkpoint import (
+    BEST,
     LATEST,
     STATE_DIR,
     CheckpointWriteError,
@@ -45,6 +46,7 @@ from spectrain.checkpoint import (
     rng_state,
     set_rng_state,
     write_checkpoint,
+    write_pointer,
 )
 from spectrain.data import TORCH_DTYPES, PackedLoader, SampleSource
 from spectrain.distributed import (
@@ -69,8 +71,10 @@ from spectrain.train_setup import (
     check_header,
     check_there_is_data,
     check_tokenizer,
+    epoch_steps,
     estimate_total_steps,
     resolve_layers,
+    save_interval,
     validation_source,
 )
 from spectrain.verifier import VerifierHeads
@@ -92,6 +96,11 @@ class Trainer:
                  val_source: SampleSource | None = None):  # fmt: skip
         cfg.validate()
         self.cfg = cfg
+        self.cache_summary: dict[str, Any] | None = None
+        if cfg.hidden_states_path:  # a speculators cache: imported into (or reused as) cfg.store first
+            from spectrain.speculators_cache import prepare
+
+            self.cache_summary = prepare(cfg)
         self.device = resolve_device(cfg)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -138,9 +147,13 @@ class Trainer:
             self.model.to(self.device)
             self.module = self.model
             self.wrapped = wrap_model(self.model, self.info, self.device, cfg.distributed, cfg.compile)
+            self.steps_per_epoch: int | None = None
             if self.state is not None:
                 self.total_steps = self.state["loop"]["total_steps"]
-            else:
+                self.steps_per_epoch = self.state["loop"].get("steps_per_epoch")
+            elif cfg.save_every_epochs is not None:
+                self.steps_per_epoch = epoch_steps(cfg, self.source, self.info, 0)
+            if self.state is None:
                 self.total_steps = estimate_total_steps(cfg, self.source, self.info)
             warm = (
                 cfg.warmup_steps if cfg.warmup_steps is not None else int(cfg.warmup_ratio * self.total_steps)
@@ -160,8 +173,14 @@ class Trainer:
             self.current_plans: list[list[str]] | None = None
             if self.state is not None:
                 self._restore(self.state)
-            from spectrain.trackers import parse_report_to
+            self.save_every = self._save_every()
+            self.best_tau = self._best_tau_so_far() if cfg.save_best else None
+            self.last_saved = -1
+            self.best_checkpoint: Path | None = None
+            from spectrain.trackers import parse_report_to, run_name
 
+            if cfg.run_name:  # placeholders filled in once: the trackers and the saved config agree
+                cfg.run_name = run_name(cfg.to_dict(), self.save_path)
             trackers = parse_report_to([*cfg.report_to, *(["tensorboard"] if cfg.tensorboard else [])])
             self.metrics = MetricsLog(self.save_path, self.info.is_main, trackers, cfg.to_dict())
             self.verifier_name = cfg.verifier_name or self.verifier.info.name_or_path
@@ -196,6 +215,45 @@ class Trainer:
 
     def _mode(self) -> str:
         return "none" if not self.info.enabled else self.cfg.distributed
+
+    def _save_every(self) -> int:
+        """The checkpoint interval in steps; ``save_every_epochs`` turned into steps (and logged)."""
+        cfg = self.cfg
+        if cfg.save_every_epochs is None:
+            return cfg.save_every
+        if self.steps_per_epoch is None:  # a checkpoint saved before the interval was asked for
+            self.steps_per_epoch = max(1, self.total_steps // max(1, cfg.epochs))
+        every = save_interval(cfg, self.steps_per_epoch)
+        if self.info.is_main:
+            log.info("--checkpoint-freq %g epochs: a checkpoint every %d steps (%d steps per epoch)",
+                     cfg.save_every_epochs, every, self.steps_per_epoch)  # fmt: skip
+        return every
+
+    def _best_tau_so_far(self) -> float | None:
+        """On a resume: the best validation tau logged up to the checkpoint's step (rank 0 reads it)."""
+        if self.state is None:
+            return None
+        from spectrain.report import read_metrics
+
+        best = None
+        if self.info.is_main:
+            taus = [float(r["tau"]) for r in read_metrics(self.save_path / "metrics.jsonl").validation
+                    if "tau" in r and int(r.get("step", 0)) <= self.global_step]  # fmt: skip
+            best = max(taus) if taus else None
+        return gather(best, self.info)[0]
+
+    def _keep_if_best(self, rec: dict[str, Any]) -> None:
+        """``save_best``: a validation tau above every earlier one checkpoints this step and names it ``best``."""
+        tau = rec.get("tau")
+        if not self.cfg.save_best or tau is None or (self.best_tau is not None and tau <= self.best_tau):
+            return
+        self.best_tau = float(tau)
+        if self.last_saved != self.global_step:
+            self.save()
+        self.best_checkpoint = self.last_checkpoint
+        if self.info.is_main and self.best_checkpoint is not None:
+            write_pointer(self.save_path, BEST, self.best_checkpoint.name)
+            log.info("best validation tau %.4f: %s", self.best_tau, self.best_checkpoint)
 
     # ------------------------------------------------------------------ loop
 
@@ -258,7 +316,6 @@ class Trainer:
                    desc=f"train {cfg.speculator_type}", dynamic_ncols=True)  # fmt: skip
         window = LogWindow()
         check_every = max(1, min(cfg.log_every, cfg.max_nonfinite_steps))
-        last_saved = -1
         refused = 0
         stop = False
         summary: dict[str, Any] = {}
@@ -308,9 +365,12 @@ class Trainer:
                     t1 = time.perf_counter()
                     if cfg.val_every and self.global_step % cfg.val_every == 0:
                         summary["validation"] = self.validate()
-                    if cfg.save_every and self.global_step % cfg.save_every == 0:
+                    if (
+                        self.save_every
+                        and self.global_step % self.save_every == 0
+                        and (self.last_saved != self.global_step)
+                    ):
                         self.save()
-                        last_saved = self.global_step
                     window.exclude(time.perf_counter() - t1)
                 batches.close()
                 refused += len(loader.refused)
@@ -326,7 +386,7 @@ class Trainer:
                 self.checks.check()
                 self.metrics.write(self._train_record(window))
             # a signal's stop always saves (the run resumes there); the end of a run unless told not to
-            if last_saved != self.global_step and (cfg.save_final or "stopped_by" in summary):
+            if self.last_saved != self.global_step and (cfg.save_final or "stopped_by" in summary):
                 self.save()
             self.checks.check()
         finally:
@@ -341,6 +401,12 @@ class Trainer:
                 "nonfinite_steps_skipped": self.checks.skipped,
             }
         )
+        if self.cfg.save_best:
+            summary["best"] = {"checkpoint": str(self.best_checkpoint) if self.best_checkpoint else None,
+                               "tau": self.best_tau}  # fmt: skip
+        if self.cache_summary is not None:
+            summary["speculators_cache"] = self.cache_summary
+            refused += int(self.cache_summary.get("samples_refused") or 0)
         if refused:
             summary["samples_refused"] = refused  # failed their check as read: skipped (warnings name them)
         hidden = getattr(self.source, "samples_hidden", None)
@@ -431,6 +497,7 @@ class Trainer:
         if self.info.is_main:
             log.info("validation step %d: loss %s tau %s acc %s", self.global_step, rec.get("loss"), rec.get("tau"),
                      rec.get("acc"))  # fmt: skip
+        self._keep_if_best(rec)
         return rec
 
     # ------------------------------------------------------------------ checkpoints
@@ -457,6 +524,7 @@ class Trainer:
                 "total_steps": self.total_steps,
                 "distributed": self._mode(),
                 "optimizer": self.optimizer.kind,
+                "steps_per_epoch": self.steps_per_epoch,
             }
             state = {"model": model_sd, "optimizer": optim_sd, "scheduler": self.optimizer.scheduler_state(),
                      "rng": rng_state(), "draft_config": self.draft_cfg.to_dict(), "loop": loop, "plans": plans}  # fmt: skip
@@ -480,6 +548,7 @@ class Trainer:
                 f"{final}: rank 0 could not save the checkpoint (its line says why)"
             )
         self.last_checkpoint = final
+        self.last_saved = self.global_step
         return final
 
     def close(self, discard: bool = False) -> None:

@@ -1,4 +1,4 @@
-"""``spectrain train`` and ``spectrain export`` (click commands, loaded lazily by ``spectrain.cli``)."""
+"""``spectrain train`` (a click command, loaded lazily by ``spectrain.cli``): the flags into a TrainConfig, then the run."""
 
 from __future__ import annotations
 
@@ -22,11 +22,11 @@ DRAFT_FLAGS = (
 """Flags that set the draft's config field of the same name."""
 
 TRAIN_FLAGS = (
-    "store", "verifier", "verifier_name", "speculator_type", "save_path", "epochs", "max_steps", "stop_after_steps",
+    "store", "hidden_states_path", "on_missing", "verifier", "verifier_name", "speculator_type", "save_path", "epochs", "max_steps", "stop_after_steps",
     "lr", "min_lr_ratio", "schedule", "warmup_steps", "warmup_ratio", "weight_decay", "max_grad_norm",
     "max_nonfinite_steps",
     "total_seq_len", "grad_accum", "seed", "val_fraction", "val_every", "val_max_sequences", "save_every",
-    "save_final", "keep_checkpoints", "resume", "num_workers", "prefetch", "read_threads", "verify_samples", "log_every", "device",
+    "save_every_epochs", "save_best", "run_name", "save_final", "keep_checkpoints", "resume", "num_workers", "prefetch", "read_threads", "verify_samples", "log_every", "device",
     "precision", "distributed", "vocab_scan_samples", "prompts", "chat_template", "optimizer", "muon_lr",
     "muon_momentum", "muon_weight_decay", "muon_ns_steps", "muon_adjust_lr", "from_pretrained",
 )  # fmt: skip
@@ -137,6 +137,8 @@ def build_train_config(params: dict[str, Any]):
             data["report_to"] = parse_report_to(params["report_to"])
         except ValueError as e:
             raise click.BadParameter(str(e).removeprefix("report_to: "), param_hint="--report-to") from None
+    if params.get("save_every_epochs") is not None and params.get("save_every") is not None:
+        raise click.UsageError("--save-every and --save-every-epochs (--checkpoint-freq): give one of them")
     if params.get("betas"):
         data["betas"] = [float(x) for x in params["betas"].split(",")]
     data["draft"] = draft
@@ -145,12 +147,9 @@ def build_train_config(params: dict[str, Any]):
 
         data["speculator_type"] = read_draft_algorithm(data["from_pretrained"])
     _resolve_verifier(data, params.get("revision"))
-    if not data.get("online") and not data.get("store") and data.get("prompts"):
-        from spectrain.speculators_flags import cache_dir_hint
-
-        hint = cache_dir_hint(data["prompts"])
-        if hint:
-            raise click.UsageError(hint)
+    if data.get("on_missing") == "generate":
+        data["online"] = True
+    _speculators_cache(data, params)
     where = params.get("config") or "command line"
     cfg = TrainConfig.from_dict(data, where=where)
     cfg.validate()
@@ -160,8 +159,28 @@ def build_train_config(params: dict[str, Any]):
     return cfg
 
 
+def _speculators_cache(data: dict[str, Any], params: dict[str, Any]) -> None:
+    """``--hidden-states-path`` (or a ``hidden_states/`` cache inside a ``--data-path`` directory, as
+    speculators reads it): the run imports it into a store and trains from that. Online, the
+    servers write into an explicit ``--hidden-states-path`` (speculators' launch_vllm.py)."""
+    from spectrain.speculators_cache import holds_cache
+
+    given = data.get("hidden_states_path")
+    if given and data.get("online"):
+        online = dict(data.get("online_options") or {})
+        online.setdefault("shared_dir", str(given))
+        data["online_options"] = online
+    prompts = data.get("prompts")
+    if not given and prompts and not data.get("store") and holds_cache(Path(prompts) / "hidden_states"):
+        data["hidden_states_path"] = str(Path(prompts) / "hidden_states")
+        logging.getLogger("spectrain.train").info(
+            "%s/hidden_states: a speculators hidden-state cache: training from it (--hidden-states-path)",
+            prompts,
+        )
+
+
 TRAIN_SECTIONS: dict[str, tuple[str, ...]] = {
-    "Run": ("config", "store", "verifier", "revision", "verifier_name", "speculator_type", "from_pretrained",
+    "Run": ("config", "store", "hidden_states_path", "on_missing", "verifier", "revision", "verifier_name", "speculator_type", "from_pretrained",
             "save_path", "resume", "dry_run", "dump_config"),
     "Optimization": ("epochs", "max_steps", "stop_after_steps", "lr", "min_lr_ratio", "schedule", "warmup_steps",
                      "warmup_ratio", "weight_decay", "betas", "max_grad_norm", "max_nonfinite_steps", "total_seq_len",
@@ -174,14 +193,14 @@ TRAIN_SECTIONS: dict[str, tuple[str, ...]] = {
     "Draft (algorithm options)": ("block_size", "max_anchors", "num_layers", "draft_vocab_size", "mask_token_id",
                                   "ttt_steps", "target_mode", "target_layer_ids", "target_layer_id", "draft_option"),
     "Validation and checkpoints": ("val_fraction", "val_every", "val_max_sequences", "save_every",
-                                   "save_final", "keep_checkpoints"),
+                                   "save_every_epochs", "save_best", "save_final", "keep_checkpoints"),
     "Online data (vLLM)": ("online", "endpoint", "prompts", "split", "max_samples", "streaming", "layer_ids",
                            "chat_template", "template_kwargs", "shared_dir", "scratch_dir", "scratch_bytes",
                            "delete_consumed", "cache_generated", "delete_cached", "max_down", "online_option"),
     "Data loading": ("num_workers", "prefetch", "read_threads", "verify_samples", "vocab_scan_samples",
                      "accept_refused"),
     "Hardware": ("device", "precision", "distributed", "compile"),
-    "Logging": ("log_every", "tensorboard", "report_to", "log_level", "progress"),
+    "Logging": ("log_every", "tensorboard", "report_to", "run_name", "log_level", "progress"),
 }  # fmt: skip
 
 
@@ -197,6 +216,19 @@ TRAIN_SECTIONS: dict[str, tuple[str, ...]] = {
     help="JSON/YAML file of TrainConfig fields (flags override it).",
 )
 @click.option("--store", type=click.Path(file_okay=False), help="Hidden-state store directory.")
+@click.option(
+    "--hidden-states-path",
+    type=click.Path(file_okay=False),
+    help="A speculators hidden-state cache (hs_<row>.safetensors of the --data-path dataset): imported into "
+    "--store [default: DIR.store beside it] on the first run, reused after [default: <data-path>/hidden_states "
+    "when it holds files].",
+)
+@click.option(
+    "--on-missing",
+    type=click.Choice(["generate", "skip", "warn", "raise"]),
+    help="Cache rows without a file: generate them online, skip, warn and skip, or stop the run before it "
+    "starts [default: generate online, raise offline].",
+)
 @click.option(
     "--dry-run",
     is_flag=True,
@@ -282,6 +314,18 @@ TRAIN_SECTIONS: dict[str, tuple[str, ...]] = {
 @click.option("--val-max-sequences", type=int, help="Packed validation sequences per rank (default 64).")
 @click.option("--save-every", type=int, help="Checkpoint every N steps (default 1000; 0 = end only).")
 @click.option(
+    "--save-every-epochs",
+    type=click.FloatRange(min=0.0, min_open=True),
+    help="Checkpoint every F epochs instead, as steps (logged at start; speculators' --checkpoint-freq): "
+    "0.5 = twice an epoch.",
+)
+@click.option(
+    "--save-best/--no-save-best",
+    default=None,
+    help="Checkpoint each validation whose tau beats every earlier one and name it in <save-path>/best "
+    "(--keep-checkpoints never prunes it) [default: off].",
+)
+@click.option(
     "--save-final/--no-save-final",
     default=None,
     help="Checkpoint at the end of the run too (default on; off: only every --save-every steps).",
@@ -306,6 +350,11 @@ TRAIN_SECTIONS: dict[str, tuple[str, ...]] = {
     "report_to",
     multiple=True,
     help="Experiment trackers, comma-separated or repeated: tensorboard (<save-path>/tensorboard), wandb, trackio.",
+)
+@click.option(
+    "--run-name",
+    help="The trackers' run name and the report's title; {time}, {utc_time}, {rank}, {local_rank} are filled "
+    "in [default: --save-path's last directory].",
 )
 @click.option("--device", help="auto | cuda | cpu (default auto).")
 @click.option(
@@ -547,43 +596,3 @@ def _user_cause(e: BaseException) -> str | None:
             return f"{seen.strerror}: {seen.filename}"
         seen = seen.__cause__
     return None
-
-
-@click.command("export", context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("checkpoint", type=click.Path(exists=True, file_okay=False))
-@click.argument("out_dir", type=click.Path(file_okay=False))
-@click.option(
-    "--verifier",
-    help="Verifier directory or hub id (default: the one trained with).",
-)
-@click.option("--verifier-name", help="speculators_config.verifier.name_or_path (e.g. Qwen/Qwen3-8B).")
-@click.option(
-    "--include-embeddings",
-    is_flag=True,
-    default=False,
-    help="Also write the verifier's embed_tokens.weight (speculators' Eagle3 from_pretrained needs it).",
-)
-def export(checkpoint: str, out_dir: str, verifier: str | None, verifier_name: str | None,
-           include_embeddings: bool) -> None:  # fmt: skip
-    """Re-export CHECKPOINT (a spectrain checkpoint directory) to OUT_DIR for vLLM."""
-    _setup_logging()
-    from spectrain.checkpoint import load_checkpoint_model
-    from spectrain.export import export_draft
-
-    if verifier:
-        data = {"verifier": verifier}
-        _resolve_verifier(data, None)
-        verifier, verifier_name = data["verifier"], verifier_name or data.get("verifier_name")
-
-    try:
-        model, resolved = load_checkpoint_model(checkpoint, verifier)
-    except ValueError as e:
-        raise click.ClickException(str(e)) from None
-    name = verifier_name or resolved["train"].get("verifier_name") or model.verifier.info.name_or_path
-    out = export_draft(model, out_dir, verifier_name=name, architectures=model.verifier.info.architectures,
-                       include_embeddings=include_embeddings)  # fmt: skip
-    from spectrain.draft_io import read_export_config
-    from spectrain.export import speculative_config_for
-
-    spec = speculative_config_for(out, read_export_config(out))
-    click.echo(json.dumps({"exported": str(out), "verifier": name, "speculative_config": spec}))

@@ -22,6 +22,13 @@ class TrainConfig:
     """Directory for checkpoints, ``metrics.jsonl`` and TensorBoard logs."""
     store: str | None = None
     """Hidden-state store (offline data; online runs use it as their cache)."""
+    hidden_states_path: str | None = None
+    """A speculators hidden-state cache (``hs_<row>.safetensors`` of the prepared dataset
+    ``prompts``): imported into ``store`` (default ``<hidden_states_path>.store``) when the run
+    starts, and reused (:mod:`spectrain.speculators_cache`)."""
+    on_missing: str | None = None
+    """Rows of the cache without a file: ``generate`` (online), ``skip``, ``warn`` or ``raise``
+    (speculators' meanings; default ``generate`` online, ``raise`` offline)."""
     speculator_type: str = "dflash"
     """Algorithm: ``dflash`` or ``eagle3`` (or any registered one)."""
     draft: dict[str, Any] = field(default_factory=dict)
@@ -78,6 +85,13 @@ class TrainConfig:
     """Packed validation sequences per rank per validation (None: all)."""
     save_every: int = 1000
     """Checkpoint every N steps (0: only at the end)."""
+    save_every_epochs: float | None = None
+    """Checkpoint every this many epochs instead (speculators' ``--checkpoint-freq``: 0.5 = twice an
+    epoch, 2 = every other epoch), turned into the equivalent step interval at the start of the run
+    (logged; ``--dry-run`` shows it) and used in place of ``save_every``."""
+    save_best: bool = False
+    """After each validation whose tau beats every earlier one, checkpoint that step (if not saved
+    already) and name it in ``<save_path>/best``; ``keep_checkpoints`` never prunes it."""
     save_final: bool = True
     """Checkpoint at the end of the run too (False: only every ``save_every`` steps; a benchmark
     or a smoke run that needs no weights, which are ~10 GB for DFlash at 8B)."""
@@ -102,6 +116,9 @@ class TrainConfig:
     """Same as ``report_to`` holding ``tensorboard``."""
     report_to: list[str] = field(default_factory=list)
     """Experiment trackers: ``tensorboard``, ``wandb``, ``trackio`` (see :mod:`spectrain.trackers`)."""
+    run_name: str | None = None
+    """The trackers' run name and the report's title (default: ``save_path``'s last directory);
+    ``{time}``, ``{utc_time}``, ``{rank}`` and ``{local_rank}`` are filled in as speculators does."""
     device: str = "auto"
     """``auto`` (cuda if available), ``cuda`` or ``cpu``."""
     precision: str = "auto"
@@ -154,8 +171,12 @@ class TrainConfig:
             raise ValueError("verifier: required (a local HF model directory)")
         if not self.save_path:
             raise ValueError("save_path: required")
-        if not self.online and not self.store:
+        if not self.online and not self.store and not self.hidden_states_path:
             raise ValueError("store: required unless online")
+        if self.on_missing not in (None, "generate", "skip", "warn", "raise"):
+            raise ValueError(f"on_missing: {self.on_missing!r} is not generate | skip | warn | raise")
+        if self.on_missing == "generate" and not self.online:
+            raise ValueError("on_missing: generate needs an online run (an --endpoint to generate from)")
         if self.schedule not in ("cosine", "linear", "constant"):
             raise ValueError(f"schedule: {self.schedule!r} is not cosine | linear | constant")
         if self.distributed not in ("ddp", "fsdp"):
@@ -163,6 +184,10 @@ class TrainConfig:
         if self.precision not in ("auto", "bf16", "fp32"):
             raise ValueError(f"precision: {self.precision!r} is not auto | bf16 | fp32")
         self.optim_config().check()
+        if self.save_every_epochs is not None and not self.save_every_epochs > 0:
+            raise ValueError(f"save_every_epochs: must be > 0, got {self.save_every_epochs}")
+        if self.save_best and self.val_fraction <= 0:
+            raise ValueError("save_best: needs a validation split (val_fraction > 0) to find the best tau")
         for name in ("epochs", "grad_accum", "total_seq_len", "log_every", "max_nonfinite_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")

@@ -193,22 +193,32 @@ def estimate_total_steps(cfg: TrainConfig, source: SampleSource, info: DistInfo)
 
 
 def _data_steps(cfg: TrainConfig, source: SampleSource, info: DistInfo) -> int:
+    return max(1, sum(epoch_steps(cfg, source, info, e) for e in range(cfg.epochs)))
+
+
+def epoch_steps(cfg: TrainConfig, source: SampleSource, info: DistInfo, epoch: int = 0) -> int:
+    """Optimizer steps of one epoch's plan: its packed sequences over ``grad_accum`` (the fewest
+    of any rank; a collective), at least 1."""
     lengths = getattr(source, "lengths", None)
-    total = 0
-    for e in range(cfg.epochs):
-        plan = source.plan(e)
-        if lengths is not None:
-            exact = getattr(source, "lengths_exact", True)
-            seqs = estimate_packed_sequences(plan, lengths, cfg.total_seq_len, exact=exact)
-            if not exact and len(plan) > LENGTH_SAMPLE and e == 0:
-                log.info("LR schedule: packed sequences per epoch estimated from %d of %d prompts' rendered "
-                         "lengths", LENGTH_SAMPLE, len(plan))  # fmt: skip
-        else:
-            if e == 0:
-                log.warning("source gives no sample lengths; LR schedule assumes one sample per sequence")
-            seqs = len(plan)
-        total += all_min(seqs, info) // cfg.grad_accum or 1
-    return max(1, total)
+    plan = source.plan(epoch)
+    if lengths is not None:
+        exact = getattr(source, "lengths_exact", True)
+        seqs = estimate_packed_sequences(plan, lengths, cfg.total_seq_len, exact=exact)
+        if not exact and len(plan) > LENGTH_SAMPLE and epoch == 0:
+            log.info("LR schedule: packed sequences per epoch estimated from %d of %d prompts' rendered "
+                     "lengths", LENGTH_SAMPLE, len(plan))  # fmt: skip
+    else:
+        if epoch == 0:
+            log.warning("source gives no sample lengths; LR schedule assumes one sample per sequence")
+        seqs = len(plan)
+    return all_min(seqs, info) // cfg.grad_accum or 1
+
+
+def save_interval(cfg: TrainConfig, steps_per_epoch: int) -> int:
+    """``save_every``, or ``save_every_epochs`` as steps: ``round(F x steps per epoch)``, at least 1."""
+    if cfg.save_every_epochs is None:
+        return cfg.save_every
+    return max(1, round(cfg.save_every_epochs * steps_per_epoch))
 
 
 def check_header(cfg: TrainConfig, header: Any, verifier: VerifierHeads) -> None:
