@@ -45,12 +45,17 @@ def write_states_file(path: str, hidden: np.ndarray, token_ids: np.ndarray, dtyp
 
 HUGE_HIDDEN = 459_649
 HUGE_TOKENS = 1_000_000
+HUGE_LAYERS = (1024, 65536)
+"""``huge_layers``: layers and hidden size of a 1 GiB float32 file for 4 tokens (a hidden size any
+model might have, a layer count none was asked for)."""
 
 
 def write_sparse_states_file(path: str, ids, num_layers: int, dtype: str, fault: str) -> None:
-    """A file whose header claims a huge hidden size or token count, its payload a sparse hole."""
+    """A file whose header claims a huge hidden size, token count or layer count, its payload a sparse hole."""
     hidden = HUGE_HIDDEN if fault == "huge_hidden" else 8
     t = HUGE_TOKENS if fault == "huge_tokens" else len(ids)
+    if fault == "huge_layers":
+        num_layers, hidden = HUGE_LAYERS[0], HUGE_LAYERS[1] * 4 // len(ids)
     tensors = [("token_ids", "int64", (t,)), ("hidden_states", dtype, (t, num_layers, hidden))]
     header, _ = protocol.safetensors_header_bytes(tensors)
     item = np.dtype(NP_DTYPES[dtype]).itemsize
@@ -79,7 +84,8 @@ class FakeConfig:
             hostile ones: ``symlink_swap`` (the file is named in a subdirectory that becomes a
             symlink to ``outside_dir`` before the file is written there), ``fifo_lock`` and
             ``fifo_file`` (a FIFO where the lock or the file should be), ``huge_hidden`` and
-            ``huge_tokens`` (a sparse file whose header claims a huge hidden size or token count).
+            ``huge_tokens`` (a sparse file whose header claims a huge hidden size or token count),
+            ``huge_layers`` (a sparse file of :data:`HUGE_LAYERS` layers, 1 GiB for 4 tokens).
         outside_dir: where ``outside`` and ``symlink_swap`` put their file (default: a sibling of
             ``shared_dir``).
         fault_by_first_token: fault applied to every request whose first token id matches.
@@ -218,7 +224,7 @@ class FakeVLLM:
             path = os.path.join(outside, name)
         if fault in ("symlink_swap", "fifo_lock", "fifo_file"):
             return self._hostile(fault, ids, name, outside)
-        if fault in ("huge_hidden", "huge_tokens"):
+        if fault in ("huge_hidden", "huge_tokens", "huge_layers"):
             write_sparse_states_file(path, ids, self.cfg.num_layers, self.cfg.dtype, fault)
             return web.Response(text=json.dumps(self._response(ids, path)), content_type="application/json")
         file_ids = list(ids)

@@ -49,7 +49,8 @@ def _open(path):
         (ExpectedStates(3, 8, "float32"), "hidden size 459649, the model's is 8"),
         (ExpectedStates(), "more than any model's"),  # nothing known: a cap still holds
         (ExpectedStates(4, None, None), "sends 3 layers, 4 were asked for"),
-        (ExpectedStates(3, HUGE_HIDDEN, "bfloat16"), "sends float32 hidden states, the store holds bfloat16"),
+        (ExpectedStates(3, HUGE_HIDDEN, "bfloat16"), "sends float32 hidden states, bfloat16 was asked for"),
+        (ExpectedStates(3, 8, "float32", store="s"), "hidden size 459649, the store.s is 8 .s."),
     ],
 )
 def test_a_fake_shape_is_refused_before_the_payload_is_read(tmp_path, bytes_read, expect, match):

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -101,7 +102,7 @@ class HiddenStateClient:
             c.include_output_tokens,
             c.map_files,
             c.rows_in_file,
-            ExpectedStates(c.expect_layers, c.expect_hidden_size, c.expect_dtype),
+            (c.expected or ExpectedStates()).merged(c.expect_layers, c.expect_hidden_size, c.expect_dtype),
         )
         self._files = HiddenFileReader(self.shared, wait, self._pool)
         self._last_alive = time.monotonic()
@@ -121,6 +122,16 @@ class HiddenStateClient:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
         self.shared.close()
+
+    def expect(self, expected: ExpectedStates) -> None:
+        """From now on check every file's header against ``expected`` (the figures the config
+        states outright still win): a new store's shape once the served model or the first
+        sample told more of it."""
+        c = self.config
+        merged = expected.merged(c.expect_layers, c.expect_hidden_size, c.expect_dtype)
+        self.config = dataclasses.replace(c, expected=merged)
+        if self._files is not None:
+            self._files.wait = dataclasses.replace(self._files.wait, expect=merged)
 
     @property
     def request_prefix(self) -> str:

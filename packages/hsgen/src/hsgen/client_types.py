@@ -12,7 +12,7 @@ from hsgen import protocol
 from hsgen.shared_dir import new_client_prefix
 
 if TYPE_CHECKING:
-    from hsgen.hidden_file import FileRows
+    from hsgen.hidden_file import ExpectedStates, FileRows
 
 
 @dataclass
@@ -58,6 +58,9 @@ class ClientConfig:
             unknown): checked on the file's header before its payload is read; a file that does
             not fit ends the run (:class:`~hsgen.errors.FatalError` ``wrong_states``). Without a
             hidden size, one over :data:`hsgen.hidden_file.MAX_HIDDEN_SIZE` is refused.
+        expected: the same, with where each figure comes from (a store's header, a model's
+            config; :class:`hsgen.hidden_file.ExpectedStates`), for the refusal to say; the
+            ``expect_*`` figures given win over its own.
         request_prefix: start of every ``X-Request-Id`` (and so of every file name) this client
             causes; default a fresh ``hsgen-<12 hex>-`` (:func:`hsgen.shared_dir.new_client_prefix`).
     """
@@ -89,6 +92,7 @@ class ClientConfig:
     expect_layers: int | None = None
     expect_hidden_size: int | None = None
     expect_dtype: str | None = None
+    expected: ExpectedStates | None = None
     request_prefix: str = field(default_factory=new_client_prefix)
 
     def __post_init__(self) -> None:

@@ -48,7 +48,7 @@ from hsgen.store.leases import (
     read_leases,
     sweep_dead_leases,
 )
-from hsgen.store_sink import LazyStore, StoreSink, describe_os_error, with_expected
+from hsgen.store_sink import LazyStore, StoreSink, describe_os_error, expected_of, with_expected
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +156,9 @@ class _Run:
             max_buffer_bytes=config.max_buffer_bytes,
             report=self.report,
             on_fatal=self.abort,
+            on_created=lambda created: self.client.expect(expected_of(created)),
         )
+        self.new_store = store if self.sink.store is None else None
         self.filter = PromptFilter(
             world_size=config.world_size,
             rank=config.rank,
@@ -261,10 +263,15 @@ class _Run:
         interrupted = False
         async with self.client:
             try:
-                await self.client.probe()
+                served = await self.client.probe()
             except FatalError as e:
                 self.abort(str(e))
                 return False
+            learn = getattr(self.new_store, "learn_served", None)
+            if learn is not None and await asyncio.to_thread(
+                learn, served
+            ):  # a new store's shape from the served model
+                self.client.expect(expected_of(self.new_store))
             await self.sat.start()
             heartbeat = asyncio.create_task(_heartbeat(lease)) if lease is not None else None
             try:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -41,6 +40,7 @@ def generate(
     model,
     layer_ids,
     verifier,
+    dtype,
     codec,
     targets,
     tokenizer,
@@ -119,11 +119,18 @@ def generate(
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint="--layer-ids") from None
     renderer = make_renderer(tokenizer, chat_template, template_kwargs, max_len, on_too_long, revision)
-    if ids is not None and renderer.config.tokenizer_path:  # a model directory (or a hub id's snapshot)
-        _check_layer_ids(ids, Path(renderer.config.tokenizer_path))
-    store = _open_store(store_path, ids, renderer.fingerprint)
+    store = _open_store(store_path, ids, renderer.fingerprint, dtype)
     if store is None and ids is None:
         raise click.UsageError(f"{store_path} is not a store yet: --layer-ids is needed to create it")
+    shape = None
+    if store is None:  # a new store's shape: layers, the model's hidden size, the dtype asked for
+        from hsgen.store_shape import StoreShape
+
+        try:
+            shape = StoreShape.named(ids, verifier=verifier, tokenizer_dir=renderer.config.tokenizer_path,
+                                     dtype=dtype, revision=revision)  # fmt: skip
+        except ValueError as e:
+            raise click.UsageError(str(e)) from None
     if store is not None and targets not in (None, store.header.targets):
         raise click.BadParameter(
             f"{store_path} keeps targets {store.header.targets!r}: use another store", param_hint="--targets"
@@ -177,7 +184,10 @@ def generate(
         except TokenizerMismatch as e:
             raise click.ClickException(str(e)) from None
     if store is None:
-        store = _store_factory(store_path, ids, verifier or model, renderer.fingerprint, codec, cfg, targets)
+        from hsgen.store_shape import NewStore
+
+        store = NewStore(store_path, shape, verifier=verifier or model, fingerprint=renderer.fingerprint,
+                         codec=codec, targets=targets)  # fmt: skip
     prompts = render_stream(list(inputs), renderer, on_bad_input=on_bad_input)
     if join and "-" not in inputs:  # a joined run may read the input again for dead writers' chunks
         prompts = lambda: render_stream(list(inputs), renderer, on_bad_input=on_bad_input)  # noqa: E731
@@ -194,22 +204,6 @@ def generate(
     sys.exit(summary.exit_code)
 
 
-def _check_layer_ids(layer_ids, model_dir: Path) -> None:
-    """With the model's config.json at hand (``--tokenizer`` is often the model directory), every
-    layer id must be one of its layers: 0 (embeddings) to ``num_hidden_layers``."""
-    from hsgen import protocol
-
-    try:
-        config = json.loads((model_dir / "config.json").read_text())
-        layers = int(config.get("text_config", config)["num_hidden_layers"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return
-    try:
-        protocol.normalize_layer_ids(layer_ids, layers)
-    except ValueError as e:
-        raise click.BadParameter(f"{e} ({model_dir / 'config.json'})", param_hint="--layer-ids") from None
-
-
 def _failures_default(store_path, rank: int, world_size: int) -> str:
     """Beside a store on disk; in the working directory for one on object storage."""
     from hsgen.generate import default_failures_path
@@ -220,7 +214,7 @@ def _failures_default(store_path, rank: int, world_size: int) -> str:
     return default_failures_path(store_path, rank, world_size)
 
 
-def _open_store(path, layer_ids, fingerprint: str):
+def _open_store(path, layer_ids, fingerprint: str, dtype: str | None = None):
     from hsgen.store import HiddenStateStore, StoreError
     from hsgen.store.backend import is_remote
     from hsgen.store.store import HEADER_FILE
@@ -246,6 +240,10 @@ def _open_store(path, layer_ids, fingerprint: str):
         raise click.ClickException(
             f"{path} holds layer ids {list(h.layer_ids)}, --layer-ids says {list(layer_ids)}: use another store"
         )
+    if dtype is not None and dtype != h.dtype:
+        raise click.ClickException(
+            f"{path} holds {h.dtype} hidden states, --dtype says {dtype}: use another store"
+        )
     if fingerprint and h.tokenizer_fingerprint and fingerprint != h.tokenizer_fingerprint:
         raise click.ClickException(
             f"{path} was rendered with another tokenizer or chat template "
@@ -256,48 +254,6 @@ def _open_store(path, layer_ids, fingerprint: str):
 
 def _visible_entries(path: Path) -> list[str]:
     return [e for e in os.listdir(path) if not e.startswith(".")]
-
-
-def _store_factory(
-    path: Path, layer_ids, verifier, fingerprint: str, codec: str, cfg, targets: str = "states"
-):
-    """The store at ``path``, created from the first sample's shape (hidden size, dtype)."""
-    from hsgen.store_sink import LazyStore
-
-    def create(sample):
-        from hsgen.store import HiddenStateStore, StoreHeader
-
-        n_layers, hidden = sample.hidden_states.shape[1:]
-        if n_layers != len(layer_ids):
-            raise ValueError(
-                f"the server sends {n_layers} layers but --layer-ids names {len(layer_ids)} ({list(layer_ids)})"
-            )
-        name = verifier or _served_model(sample.endpoint, cfg) or sample.endpoint
-        header = StoreHeader(
-            verifier=name,
-            layer_ids=tuple(layer_ids),
-            hidden_size=int(hidden),
-            dtype=sample.dtype,
-            tokenizer_fingerprint=fingerprint,
-            codec=codec,
-            targets=targets,
-        )
-        return HiddenStateStore.create(path, header)
-
-    return LazyStore(path, create)
-
-
-def _served_model(url: str, cfg) -> str | None:
-    import urllib.request
-
-    from hsgen import protocol
-
-    try:
-        req = urllib.request.Request(url + "/v1/models", headers=protocol.auth_headers(cfg.client.api_key))
-        with urllib.request.urlopen(req, timeout=10) as r:
-            return str(json.loads(r.read())["data"][0]["id"])
-    except Exception:  # the header then names the endpoint instead
-        return None
 
 
 async def _run_with_signals(run, cfg, prompts, store, show, count=None):

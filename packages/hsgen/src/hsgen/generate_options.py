@@ -53,7 +53,16 @@ TARGET_OPTIONS = [  # the store and the servers
         "Required to create a store; checked against an existing one.",
     ),
     click.option(
-        "--verifier", help="Verifier name recorded in a new store's header (default: the served model id)."
+        "--verifier",
+        help="The verifier: a model directory or hub id (its config.json gives a new store's hidden size, "
+        "checked on every file's header before it is read; also --tokenizer's, or the served model's when "
+        "that is a directory), or only a name, recorded in a new store's header (default: the served model id).",
+    ),
+    click.option(
+        "--dtype",
+        type=click.Choice(["bfloat16", "float16", "float32"]),
+        help="The dtype the servers run (vllm serve --dtype), checked on every file's header before it is "
+        "read. Default: the store's; a new store takes the servers' first file's.",
     ),
     click.option(
         "--codec",

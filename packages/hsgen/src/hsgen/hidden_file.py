@@ -45,17 +45,28 @@ MAX_HIDDEN_SIZE = 65536
 ~25k): beyond it a file's header is refused before any of its payload is read."""
 
 
+MAX_HEADER_BYTES = 1 << 20
+"""The largest safetensors header a server's file may have (vLLM's two tensors take ~200 bytes):
+a longer one is refused before it is read."""
+
+
 @dataclass(frozen=True)
 class ExpectedStates:
     """What the server's files must hold, checked on the header before the payload is read.
 
-    Each field is None when unknown (a new store): the layer count is the number of layer ids
-    asked for, the hidden size the model config's (or the store header's), the dtype the store's.
+    Each figure is None when unknown. For an existing store they are its header's (``store``
+    names it); for a new store the layer count is the number of layer ids asked for, the hidden
+    size the model config's (``hidden_from`` names the file), the dtype the one asked for
+    (:mod:`hsgen.store_shape`). A refusal says whose figure the file's differs from.
     """
 
     num_layers: int | None = None
     hidden_size: int | None = None
     dtype: str | None = None
+    store: str | None = None
+    """The store whose header the figures are (None: the model's and the request's)."""
+    hidden_from: str = ""
+    """Where the model's hidden size was read (its ``config.json``), named in a refusal."""
 
     @staticmethod
     def model_hidden_size(model_dir: str | os.PathLike[str] | None) -> int | None:
@@ -72,18 +83,40 @@ class ExpectedStates:
 
     def problem(self, shape: tuple[int, ...], dtype: str) -> str | None:
         """Why a ``[T, layers, hidden]`` tensor of ``dtype`` does not fit (None when it does)."""
+        store = f" ({self.store})" if self.store else ""
         if self.dtype is not None and dtype != self.dtype:
-            return f"the server sends {dtype} hidden states, the store holds {self.dtype}"
-        if self.num_layers is not None and shape[1] != self.num_layers:
-            return (
-                f"the server sends {shape[1]} layers, {self.num_layers} were asked for: check the "
-                "server's eagle_aux_hidden_state_layer_ids"
+            whose = (
+                f"the store holds {self.dtype}{store}"
+                if self.store
+                else f"{self.dtype} was asked for (--dtype)"
             )
+            return f"the server sends {dtype} hidden states, {whose}"
+        if self.num_layers is not None and shape[1] != self.num_layers:
+            whose = (
+                f"the store holds {self.num_layers}{store}"
+                if self.store
+                else f"{self.num_layers} were asked for"
+            )
+            return f"the server sends {shape[1]} layers, {whose}: check the server's eagle_aux_hidden_state_layer_ids"
         if self.hidden_size is not None and shape[2] != self.hidden_size:
-            return f"the server sends hidden size {shape[2]}, the model's is {self.hidden_size}"
+            if self.store:
+                return f"the server sends hidden size {shape[2]}, the store's is {self.hidden_size}{store}"
+            where = f" ({self.hidden_from})" if self.hidden_from else ""
+            return f"the server sends hidden size {shape[2]}, the model's is {self.hidden_size}{where}"
         if self.hidden_size is None and shape[2] > MAX_HIDDEN_SIZE:
             return f"the server sends hidden size {shape[2]}, more than any model's ({MAX_HIDDEN_SIZE})"
         return None
+
+    def merged(self, layers: int | None, hidden_size: int | None, dtype: str | None) -> ExpectedStates:
+        """These figures with ``layers``, ``hidden_size`` and ``dtype`` (when given) in their place:
+        what a user stated outright (``ClientConfig.expect_*``) wins over what was inferred."""
+        return dataclasses.replace(
+            self,
+            num_layers=layers or self.num_layers,
+            hidden_size=hidden_size or self.hidden_size,
+            dtype=dtype or self.dtype,
+            hidden_from=self.hidden_from if not hidden_size else "",
+        )
 
 
 class WrongStates(Exception):
@@ -233,7 +266,7 @@ def read_hidden_states_fd(
         raise NotReady(f"file has {size} bytes")
     with os.fdopen(os.dup(fd), "rb", buffering=0) as f:
         try:
-            tensors = protocol.read_safetensors_header(f, size)
+            tensors = protocol.read_safetensors_header(f, size, max_header_bytes=MAX_HEADER_BYTES)
         except protocol.ProtocolError as e:
             if "truncated" in str(e) or "shorter" in str(e):
                 raise NotReady(str(e)) from None
@@ -462,6 +495,7 @@ async def remove_misplaced(path: str, request_id: str, wait_s: float) -> None:
 
 
 __all__ = [
+    "MAX_HEADER_BYTES",
     "MAX_HIDDEN_SIZE",
     "STORAGE_DTYPES",
     "ExpectedStates",

@@ -147,6 +147,23 @@ def _fetch_all(repo: str, names: Iterable[str], revision: str | None, required: 
     return snapshot
 
 
+def config_file(name: str, *, revision: str | None = None, download: bool = True) -> Path | None:
+    """The ``config.json`` of hub id ``name``: from the cache, else (``download``, and not offline)
+    from the hub; None when ``name`` is no hub id or the file cannot be had (no error: a caller
+    asking only for a model's shape goes on without it)."""
+    if not looks_like_hub_id(name):
+        return None
+    try:
+        hub = _client()
+        if not download:
+            return Path(hub.hf_hub_download(name, "config.json", revision=revision, cache_dir=cache_dir(),
+                                            local_files_only=True))  # fmt: skip
+        return _download(name, "config.json", revision, required=False)
+    except Exception as e:  # not cached, unknown, no access, no network: the shape is learnt elsewhere
+        log.debug("%s: no config.json (%s)", name, e)
+        return None
+
+
 def resolve(name_or_path: str | os.PathLike, *, revision: str | None = None, need: str = "tokenizer") -> Path:
     """A local directory for ``name_or_path``: itself when it is one, else the hub snapshot.
 

@@ -274,7 +274,9 @@ class TensorInfo:
         return self.end - self.start
 
 
-def read_safetensors_header(f: BinaryIO, file_size: int | None = None) -> dict[str, TensorInfo]:
+def read_safetensors_header(
+    f: BinaryIO, file_size: int | None = None, *, max_header_bytes: int = 100_000_000
+) -> dict[str, TensorInfo]:
     """Parse and check a safetensors header from an open binary file (positioned anywhere).
 
     Accepts only what the safetensors library accepts (a differential test holds it to that):
@@ -291,8 +293,10 @@ def read_safetensors_header(f: BinaryIO, file_size: int | None = None) -> dict[s
     if len(prefix) != 8:
         raise ProtocolError("safetensors file shorter than its 8-byte header length")
     (header_len,) = struct.unpack("<Q", prefix)
-    if header_len > 100_000_000:
-        raise ProtocolError(f"safetensors header length {header_len} is implausible")
+    if header_len > max_header_bytes:
+        raise ProtocolError(
+            f"safetensors header length {header_len} is implausible (more than {max_header_bytes})"
+        )
     raw = f.read(header_len)
     if len(raw) != header_len:
         raise ProtocolError("safetensors header is truncated")

@@ -49,22 +49,18 @@ class LazyStore:
 
 
 def expected_of(store: Any) -> ExpectedStates:
-    """What the server's files must hold to go into ``store`` (an open store or a :class:`LazyStore`)."""
+    """What the server's files must hold to go into ``store``: an open store's header, or what a
+    store not created yet (:class:`LazyStore`, :class:`hsgen.store_shape.NewStore`) expects."""
     header = getattr(store, "header", None)
     if header is not None:
-        return ExpectedStates(len(header.layer_ids), header.hidden_size, header.dtype)
+        return ExpectedStates(len(header.layer_ids), header.hidden_size, header.dtype, store=str(store.path))
     return getattr(store, "expected", None) or ExpectedStates()
 
 
 def with_expected(client: ClientConfig, store: Any) -> ClientConfig:
-    """``client`` with what ``store`` says of the files filled in where it says nothing itself."""
-    e = expected_of(store)
-    return dataclasses.replace(
-        client,
-        expect_layers=client.expect_layers or e.num_layers,
-        expect_hidden_size=client.expect_hidden_size or e.hidden_size,
-        expect_dtype=client.expect_dtype or e.dtype,
-    )
+    """``client`` checking every file against what ``store`` expects (see :func:`expected_of`),
+    the figures the client's config states outright winning."""
+    return dataclasses.replace(client, expected=expected_of(store))
 
 
 def check_header(header: Any, sample: FetchedSample) -> None:
@@ -106,6 +102,8 @@ class StoreSink:
         max_buffer_bytes: the memory bound (see :meth:`wait_for_room`).
         report: the run's report (``summary.stored``, ``store``; failures).
         on_fatal: called with a message when the store cannot take more samples.
+        on_created: called with the store once a :class:`LazyStore` created it (the run then
+            checks every further file against its header).
     """
 
     def __init__(
@@ -118,6 +116,7 @@ class StoreSink:
         max_buffer_bytes: int,
         report: RunReport,
         on_fatal: Callable[[str], None],
+        on_created: Callable[[Any], None] | None = None,
     ):
         self._factory: Callable[[FetchedSample], Any] | None = None
         self.store = None
@@ -136,6 +135,7 @@ class StoreSink:
         self.max_buffer_bytes = max_buffer_bytes
         self.report = report
         self.on_fatal = on_fatal
+        self.on_created = on_created
         self._queue: asyncio.Queue[FetchedSample | None] = asyncio.Queue()
         self._buffered = 0
         self._room = asyncio.Condition()
@@ -235,6 +235,8 @@ class StoreSink:
                 assert self._factory is not None
                 self.store = await loop.run_in_executor(self._exec, self._factory, sample)
                 self.report.summary.store = str(self.store.path)
+                if self.on_created is not None:
+                    self.on_created(self.store)
             if self._writer is None:
                 make = functools.partial(self.store.writer, self.writer_id, shard_bytes=self.shard_bytes)
                 self._writer = await loop.run_in_executor(self._exec, make)

@@ -93,17 +93,16 @@ class Fetcher:
             opts.setdefault("api_key", self.config.api_key)
         if self.request_prefix is not None:
             opts.setdefault("request_prefix", self.request_prefix)
-        # every file is checked on its header against what the run expects, before it is read
-        from hsgen.hidden_file import ExpectedStates
+        # every file is checked on its header against what the run expects, before it is read: the
+        # store's header, or a new store's shape as hsgen generate has it (layer ids, the model's config)
+        from hsgen.store_shape import StoreShape
+        from hsgen.store_sink import expected_of
 
-        header, ids = self.stores.header, self.config.layer_ids
-        if header is not None:
-            opts.setdefault("expect_layers", len(header.layer_ids))
-            opts.setdefault("expect_hidden_size", header.hidden_size)
-            opts.setdefault("expect_dtype", header.dtype)
+        if self.stores.store is not None:
+            expected = expected_of(self.stores.store)
         else:
-            opts.setdefault("expect_layers", len(ids) if ids else None)
-            opts.setdefault("expect_hidden_size", ExpectedStates.model_hidden_size(self.config.verifier))
+            expected = StoreShape.named(self.config.layer_ids or (), verifier=self.config.verifier).expected()
+        opts.setdefault("expected", expected)
         if self.config.reads_once:  # read once into the batch, from the file, checked as it lands
             opts.setdefault("check_finite", False)
             opts.setdefault("rows_in_file", True)
