@@ -10,6 +10,8 @@ from spectrain.verifier import VerifierHeads, VerifierInfo
 
 V, H, S = 256, 32, 128
 OPTIONS = {"dflash": {"num_layers": 2, "block_size": 4, "max_anchors": 16},
+           "dspark": {"num_layers": 2, "block_size": 4, "max_anchors": 16, "markov_rank": 8, "markov_head_type": "rnn",
+                      "loss_mix": {"ce": 0.1, "tv": 1.8}},
            "eagle3": {"draft_vocab_size": 96, "ttt_steps": 3}}  # fmt: skip
 
 

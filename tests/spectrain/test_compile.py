@@ -15,7 +15,7 @@ import torch
 import torch._dynamo
 from _tiny_drafts import draft, packed
 
-ALGORITHMS = ["dflash", "eagle3"]
+ALGORITHMS = ["dflash", "dspark", "eagle3"]
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""Exported DFlash / Eagle3 drafts: loading the vLLM format, exact speculative decoding, tau bounds."""
+"""Exported DFlash / DSpark / Eagle3 drafts: loading the vLLM format, exact speculative decoding, tau bounds."""
 
 from __future__ import annotations
 
@@ -24,7 +24,15 @@ torch.set_num_threads(1)
 DRAFTS = {
     "dflash": {"aux_layer_ids": (1, 2, 3), "num_layers": 1, "block_size": 5},
     "eagle3": {"aux_layer_ids": (1, 2, 3), "ttt_steps": 3, "draft_vocab_size": 512},
+    "dspark": {
+        "aux_layer_ids": (1, 2, 3),
+        "num_layers": 1,
+        "block_size": 4,
+        "markov_rank": 16,
+        "draft_vocab_size": 512,
+    },
 }
+TOKENS = {"dflash": 4, "eagle3": 3, "dspark": 4}
 
 
 def _random_draft(tiny_model_dir, algorithm: str, seed: int = 0):
@@ -62,7 +70,7 @@ def test_loaded_draft_proposes_like_the_trained_module(exported, tiny_model_dir)
     proposer = load_exported_draft(out, tiny_model_dir)
     assert proposer.algorithm == algorithm
     assert proposer.layer_ids == (1, 2, 3)
-    assert proposer.num_speculative_tokens == (4 if algorithm == "dflash" else 3)
+    assert proposer.num_speculative_tokens == TOKENS[algorithm]
     g = torch.Generator().manual_seed(1)
     for T in (1, 7):
         aux = torch.randn(T, 3, 64, generator=g)
@@ -93,7 +101,9 @@ def test_shorter_chains_than_the_draft_offers(exported, tiny_model_dir, prompts)
     verifier, _ = load_verifier(tiny_model_dir, proposer.layer_ids)
     report = evaluate(verifier, proposer, prompts[:1], max_new_tokens=12, num_speculative_tokens=2)
     assert report.exact_match and len(report.acceptance_rate) == 2
-    if proposer.algorithm == "dflash":  # one block: at most block_size - 1 tokens
+    if (
+        proposer.algorithm != "eagle3"
+    ):  # one block: at most its proposals (DFlash block_size - 1, DSpark block_size)
         with pytest.raises(ValueError, match="exceeds the draft's limit of 4"):
             evaluate(verifier, proposer, prompts[:1], max_new_tokens=4, num_speculative_tokens=9)
     else:  # a chain runs past its training-time-test steps, as vLLM's num_speculative_tokens allows
@@ -114,7 +124,7 @@ def test_export_errors_name_the_file_and_field(exported, tiny_model_dir, tmp_pat
     cfg = json.loads((out / "config.json").read_text())
     key = (
         "aux_hidden_state_layer_ids"
-        if cfg["speculators_model_type"] == "dflash"
+        if cfg["speculators_model_type"] != "eagle3"
         else "eagle_aux_hidden_state_layer_ids"
     )
     del cfg[key]
@@ -150,6 +160,8 @@ def constant_verifier(tiny_model_dir, tmp_path_factory):
 @pytest.mark.parametrize("algorithm", sorted(DRAFTS))
 def test_a_perfect_real_draft_accepts_everything(algorithm, constant_verifier, prompts, tmp_path):
     model = _random_draft(constant_verifier, algorithm)
+    if algorithm == "dspark":  # no Markov bias: the draft's logits are the verifier's head's (all 0)
+        torch.nn.init.zeros_(model.markov_head.markov_w2.weight)
     out = export_draft(model, tmp_path / "draft", verifier_name="constant")
     proposer = load_exported_draft(out, constant_verifier)
     verifier, _ = load_verifier(constant_verifier, proposer.layer_ids)

@@ -114,16 +114,20 @@ def test_run_all_at_a_tiny_shape_on_cpu(tmp_path):
         "summary.json",
     ]
     s = json.loads((tmp_path / "out" / "summary.json").read_text())
-    assert s["dflash_tokens_per_s"] > 0 and s["eagle3_tokens_per_s"] > 0
+    assert s["dflash_tokens_per_s"] > 0 and s["eagle3_tokens_per_s"] > 0 and s["dspark_tokens_per_s"] > 0
     assert s["ours"]["dflash_syncs"] == {} and s["ours"]["eagle3_syncs"] == {}  # the sync census ran: none
+    assert s["ours"]["dspark_syncs"] == {} and s["dspark_tokens_per_s_compiled"] > 0
     assert s["dflash_sync_free"] is True and s["eagle3_sync_free_compiled"] is True
     assert s["dflash_tokens_per_s_compiled"] > 0 and s["eagle3_compile_speedup"] > 0
     assert s["peer_dflash_tokens_per_s"] is None
     assert s["train"]["steps"] == 4 and s["train"]["tokens_per_s_median"] > 0
     assert s["serve"]["verify"]["ok"] and s["serve"]["generate"]["stored"] == 8
     assert set(s["data_path"].values()) == {None}  # part 5 is skipped at the tiny shape
-    assert all(p["rc"] == 0 for name, p in s["parts"].items() if name not in ("peer", "loader")), s["parts"]
+    assert all(p["rc"] == 0 for name, p in s["parts"].items() if name not in ("peer", "loader", "vllm")), s[
+        "parts"
+    ]
     assert s["parts"]["peer"]["rc"] == "skipped" and s["parts"]["loader"]["rc"] == "skipped"
+    assert s["parts"]["vllm"]["rc"] == "skipped" and s["vllm"] is None  # no vLLM CUDA build here
 
 
 def test_run_all_stops_at_once_when_an_import_fails(tmp_path):
@@ -184,9 +188,9 @@ def test_run_all_keeps_to_its_deadline(tmp_path):
     assert time.monotonic() - t0 < deadline + 120  # not the hanging part's 600 s
     out = tmp_path / "out"
     parts = _parts(out)
-    assert list(parts) == ["eager-dflash", "eager-eagle3", "serve"]
+    assert list(parts) == ["eager-dflash", "eager-eagle3", "eager-dspark", "serve"]
     log = (out / "run_all.log").read_text()
-    for name, grace in (("eager-dflash", 10), ("eager-eagle3", 10), ("serve", 5)):
+    for name, grace in (("eager-dflash", 10), ("eager-eagle3", 10), ("eager-dspark", 10), ("serve", 5)):
         if parts[name]["rc"] == "skipped":
             assert f"{name} skipped" in log
             continue

@@ -11,7 +11,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from spectrain.speculators_flags import FLAGS, markdown_table, translate
+from spectrain.speculators_flags import DSPARK_ONLY, FLAGS, markdown_table, translate
 from spectrain.train_cli import build_train_config, train
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,6 +54,7 @@ def test_every_flag_is_accepted_or_refused_in_one_line_naming_ours(tmp_path, tin
         for spelling in action.option_strings:
             argv = [
                 *base,
+                *(["--speculator-type", "dspark"] if spelling in DSPARK_ONLY else []),
                 spelling,
                 *([] if spelling.startswith("--no-") else _example(action, tmp_path, tiny_model_dir)),
             ]
@@ -122,6 +123,26 @@ def test_translated_flags_keep_speculators_meaning(tmp_path, tiny_store, tiny_mo
     )
     assert cfg.draft["loss_weighting"] == "exp-decay" and cfg.draft["loss_gamma"] == 4.0
     assert cfg.draft["block_attention"] == "causal" and cfg.warmup_steps == 5 and cfg.prefetch == 8
+
+
+def test_dspark_flags(tmp_path, tiny_store, tiny_model_dir):
+    base = ["--store", str(tiny_store), "--verifier-name-or-path", str(tiny_model_dir), "--save-path",
+            str(tmp_path / "r")]  # fmt: skip
+    cfg = _cfg([*base, "--speculator-type", "dspark", "--markov-rank", "64", "--markov-head-type", "gated",
+                "--no-enable-confidence-head", "--loss-fn", '{"ce": 0.1, "tv": 1.8}', "--no-sample-from-anchor",
+                "--confidence-head-alpha", "0.5", "--draft-arch", "qwen3"])  # fmt: skip
+    assert cfg.speculator_type == "dspark"
+    assert {k: cfg.draft[k] for k in ("markov_rank", "markov_head_type", "enable_confidence_head", "loss_mix",
+                                      "sample_from_anchor", "confidence_head_alpha")} == {
+        "markov_rank": 64, "markov_head_type": "gated", "enable_confidence_head": False,
+        "loss_mix": {"ce": 0.1, "tv": 1.8}, "sample_from_anchor": False, "confidence_head_alpha": 0.5,
+    }  # fmt: skip
+    for argv, needle in ((["--markov-rank", "8"], "--markov-rank: an option of dspark; give --speculator-type"),
+                         (["--sample-from-anchor"], "--sample-from-anchor: spectrain's DFlash never predicts"),
+                         (["--speculator-type", "dspark", "--loss-fn", "jsd"], "--loss-fn jsd: spectrain's dspark "
+                          "mixes ce, kl_div, tv")):  # fmt: skip
+        with pytest.raises(click.UsageError, match=re.escape(needle)):
+            translate([*base, *argv], train)
 
 
 def test_online_flags_of_its_examples(tmp_path, tiny_model_dir, sample_chats_path):

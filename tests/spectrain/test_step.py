@@ -63,7 +63,7 @@ def test_a_sequence_without_anchors_trains_nothing_and_reports_zeros():
     assert metrics["acc_total"].shape == (model.cfg.block_size - 1,)
 
 
-@pytest.mark.parametrize("algorithm", ["dflash", "eagle3"])
+@pytest.mark.parametrize("algorithm", ["dflash", "dspark", "eagle3"])
 @pytest.mark.parametrize("kind", ["adamw", "muon"])
 def test_a_whole_step_makes_no_host_device_sync(algorithm, kind):
     """Forward, backward, clipping, the non-finite decision and the update (two sequences, as with
@@ -79,7 +79,7 @@ def test_a_whole_step_makes_no_host_device_sync(algorithm, kind):
     assert sorted(k.split()[0] for k in seen) == ["bool-index", "item"]
 
 
-@pytest.mark.parametrize("algorithm", ["dflash", "eagle3"])
+@pytest.mark.parametrize("algorithm", ["dflash", "dspark", "eagle3"])
 def test_step_results_stay_on_the_device_and_equal_the_plain_step(algorithm):
     """train_step's loss, metrics and update are those of model(batch), backward, clip, optimizer."""
     model = draft(algorithm)

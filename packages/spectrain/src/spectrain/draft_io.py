@@ -35,6 +35,9 @@ _INERT = {"architectures", "auto_map", "dtype", "torch_dtype", "speculators_vers
 _ALGORITHM_FIELDS = {
     "dflash": {"aux_hidden_state_layer_ids", "mask_token_id", "block_size", "sample_from_anchor",
                "sliding_window_non_causal"},
+    "dspark": {"aux_hidden_state_layer_ids", "mask_token_id", "block_size", "sample_from_anchor",
+               "sliding_window_non_causal", "markov_rank", "markov_head_type", "enable_confidence_head",
+               "confidence_head_with_markov"},
     "eagle3": {"eagle_aux_hidden_state_layer_ids", "norm_before_residual", "norm_before_fc", "fc_norm",
                "norm_output", "embed_requires_grad"},
 }  # fmt: skip
@@ -46,10 +49,12 @@ _LAYER_CHECKED = {"model_type", "hidden_size", "num_hidden_layers", "num_attenti
                   "head_dim", "intermediate_size", "vocab_size", "rms_norm_eps", "rope_theta", "rope_parameters",
                   "rope_scaling", "hidden_act", "attention_bias", "mlp_bias", "pretraining_tp",
                   "tie_word_embeddings", "layer_types", "sliding_window", "use_sliding_window"}  # fmt: skip
-_LAYER_MODEL_TYPE = {"dflash": "qwen3", "eagle3": "llama"}
+_LAYER_MODEL_TYPE = {"dflash": "qwen3", "dspark": "qwen3", "eagle3": "llama"}
 ARCHITECTURE_FIELDS = ("aux_layer_ids", "num_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
                        "intermediate_size", "draft_vocab_size", "block_size", "mask_token_id", "block_attention",
-                       "sliding_window", "norm_before_residual", "norm_before_fc", "norm_output")  # fmt: skip
+                       "sliding_window", "norm_before_residual", "norm_before_fc", "norm_output",
+                       "sample_from_anchor", "markov_rank", "markov_head_type", "enable_confidence_head",
+                       "confidence_head_with_markov")  # fmt: skip
 """Draft options an exported draft fixes: ``--from-pretrained`` refuses different values."""
 
 
@@ -149,7 +154,7 @@ def draft_config_from_export(
     """
     algorithm = _need(cfg, "speculators_model_type", where)
     if algorithm not in _ALGORITHM_FIELDS:
-        raise DraftLoadError(f"{where}: speculators_model_type {algorithm!r} is not dflash or eagle3")
+        raise DraftLoadError(f"{where}: speculators_model_type {algorithm!r} is not dflash, dspark or eagle3")
     unknown = sorted(set(cfg) - _INERT - _ALGORITHM_FIELDS[algorithm])
     if unknown:
         raise DraftLoadError(f"{where}: fields {unknown} are not understood for {algorithm}; refusing rather "
@@ -182,8 +187,9 @@ def draft_config_from_export(
         "sliding_window": window,
     }
     draft_vocab = cfg.get("draft_vocab_size")
-    if algorithm == "dflash":
-        fields = _dflash_fields(cfg, k, window, where, block_attention)
+    if algorithm in ("dflash", "dspark"):
+        read = _dflash_fields if algorithm == "dflash" else _dspark_fields
+        fields = read(cfg, k, window, where, block_attention)
         fields["draft_vocab_size"] = (
             int(draft_vocab) if draft_vocab and int(draft_vocab) < vocab_size else None
         )
@@ -231,6 +237,30 @@ def _dflash_fields(cfg: Mapping[str, Any], k: int, window: int | None, where: st
     }
 
 
+def _dspark_fields(cfg: Mapping[str, Any], k: int, window: int | None, where: str,
+                   block_attention: str | None) -> dict[str, Any]:  # fmt: skip
+    """DSpark's fields as vLLM 0.32 reads them: ``sample_from_anchor`` and the confidence flags false
+    when absent, ``markov_rank`` required; full-attention layers bidirectional and sliding ones
+    causal (vLLM ignores ``sliding_window_non_causal`` for dspark)."""
+    anchor_first = bool(cfg.get("sample_from_anchor", False))
+    block = int(cfg.get("block_size") or (k if anchor_first else k + 1))
+    most = block if anchor_first else block - 1
+    if not 0 < k <= most:
+        raise DraftLoadError(f"{where}: speculative_tokens {k} but a block of {block} proposes at most {most} "
+                             f"(sample_from_anchor {str(anchor_first).lower()})")  # fmt: skip
+    return {
+        "aux_layer_ids": tuple(_need(cfg, "aux_hidden_state_layer_ids", where)),
+        "block_size": block,
+        "mask_token_id": int(_need(cfg, "mask_token_id", where)),
+        "block_attention": block_attention or ("causal" if window is not None else "bidirectional"),
+        "sample_from_anchor": anchor_first,
+        "markov_rank": int(_need(cfg, "markov_rank", where)),
+        "markov_head_type": str(cfg.get("markov_head_type") or "vanilla"),
+        "enable_confidence_head": bool(cfg.get("enable_confidence_head", False)),
+        "confidence_head_with_markov": bool(cfg.get("confidence_head_with_markov", False)),
+    }
+
+
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal up to the rounding of the lower-precision of the two."""
     dtype = a.dtype if torch.finfo(a.dtype).bits <= torch.finfo(b.dtype).bits else b.dtype
@@ -246,7 +276,11 @@ def load_draft_weights(model: DraftModel, weights: dict[str, torch.Tensor], wher
     if embed is not None and not _same(embed.cpu(), heads.embed_tokens.detach().cpu()):
         raise DraftLoadError(f"{where}: embed_tokens.weight differs from the verifier's; a draft with its own "
                                  "embeddings is not supported")  # fmt: skip
-    if model.cfg.algorithm == "dflash" and "lm_head.weight" in weights and "lm_head.weight" not in state:
+    if (
+        model.cfg.algorithm in ("dflash", "dspark")
+        and "lm_head.weight" in weights
+        and "lm_head.weight" not in state
+    ):
         d2t = weights.get("d2t", state.get("d2t"))
         rows = (
             heads.lm_head if d2t is None else heads.lm_head.index_select(0, draft_to_target_ids(d2t.long()))

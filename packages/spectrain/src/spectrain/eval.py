@@ -399,6 +399,8 @@ def evaluate(
         raise ValueError(f"num_speculative_tokens {K} exceeds the draft's limit of {limit}")
     from hsgen.progress import progress_bar
 
+    if hasattr(proposer, "step_tokens"):
+        proposer.step_tokens = K
     outputs: list[SpeculativeOutput] = []
     per_prompt: list[dict[str, Any]] = []
     mismatches: list[dict[str, Any]] = []
@@ -540,16 +542,22 @@ class DraftProposer:
         self.layer_ids = tuple(int(i) for i in model.cfg.aux_layer_ids)
         self.num_speculative_tokens = int(num_speculative_tokens)
         self.algorithm = model.cfg.algorithm
-        block = getattr(model.cfg, "block_size", None)
-        # a block drafter proposes at most block_size - 1 tokens; a chain can run on (vLLM's
+        # a block drafter proposes at most its block's predicting slots; a chain can run on (vLLM's
         # num_speculative_tokens overrides the config's speculative_tokens for Eagle3)
-        self.max_speculative_tokens: int | None = block - 1 if block else None
+        self.max_speculative_tokens: int | None = getattr(model, "max_proposals", None)
+        self.step_tokens: int | None = None
+        """The step's K (set by :func:`evaluate`): a DSpark block is sized for it, as vLLM sizes it
+        for ``num_speculative_tokens``, even where fewer proposals are looked at."""
+        self._sized_blocks = "step_tokens" in inspect.signature(model.propose).parameters
         self.source = source
 
     def propose(self, token_ids: Sequence[int], hidden_states: torch.Tensor, num_tokens: int) -> list[int]:
         from spectrain.models import DraftContext
 
-        return self.model.propose(DraftContext(hidden_states, list(token_ids)), num_tokens)
+        context = DraftContext(hidden_states, list(token_ids))
+        if self._sized_blocks:
+            return self.model.propose(context, num_tokens, step_tokens=self.step_tokens)
+        return self.model.propose(context, num_tokens)
 
 
 def load_exported_draft(

@@ -141,7 +141,7 @@ def follow_latest(path: str) -> str:
     "-k",
     default=None,
     type=click.IntRange(min=1),
-    help="Draft tokens per step [default: the draft's speculative_tokens; DFlash at most block_size - 1, an Eagle3 chain any length].",
+    help="Draft tokens per step [default: the draft's speculative_tokens; a block draft at most its block's proposals (DFlash block_size - 1, anchor-first DSpark block_size), an Eagle3 chain any length].",
 )
 @click.option(
     "--dtype",
@@ -250,7 +250,7 @@ def eval_command(draft_dir, verifier, revision, prompts_path, max_new_tokens, sp
         limit = max_tokens(proposer)
         if num_speculative_tokens and limit is not None and num_speculative_tokens > limit:
             raise click.BadParameter(
-                f"{num_speculative_tokens} exceeds the draft's limit of {limit} (block_size - 1)",
+                f"{num_speculative_tokens} exceeds the draft's limit of {limit} (the proposals of one block)",
                 param_hint="--num-speculative-tokens",
             )
     except (DraftLoadError, InputError, FileNotFoundError, ValueError) as e:

@@ -70,27 +70,38 @@ _LAYER = r"layers\.\d+\."
 _MLP = (_LAYER + r"mlp\.(gate|up|down)_proj\.weight",)
 _NORMS = (_LAYER + r"(input_layernorm|post_attention_layernorm)\.weight",)
 
+_DFLASH_ALLOWED = (
+    r"fc\.weight",
+    r"hidden_norm\.weight",
+    _LAYER + r"self_attn\.(q|k|v|o)_proj\.weight",
+    _LAYER + r"self_attn\.(q|k)_norm\.weight",
+    *_MLP,
+    *_NORMS,
+    r"norm\.weight",
+    r"lm_head\.weight",
+    r"embed_tokens\.weight",
+    r"d2t",
+    r"t2d",
+)
+_DFLASH_REQUIRED = (
+    r"fc\.weight",
+    r"hidden_norm\.weight",
+    r"norm\.weight",
+    r"layers\.0\.self_attn\.q_proj\.weight",
+)
+
 ADAPTERS: dict[str, Adapter] = {
-    "dflash": Adapter(
+    "dflash": Adapter(allowed=_DFLASH_ALLOWED, required=_DFLASH_REQUIRED),
+    # vLLM 0.32's Qwen3DSparkModel loads markov_w1/w2 and confidence_head.proj; speculators also
+    # writes gate_proj (gated) and joint_proj (rnn), which only spectrain and speculators read
+    "dspark": Adapter(
         allowed=(
-            r"fc\.weight",
-            r"hidden_norm\.weight",
-            _LAYER + r"self_attn\.(q|k|v|o)_proj\.weight",
-            _LAYER + r"self_attn\.(q|k)_norm\.weight",
-            *_MLP,
-            *_NORMS,
-            r"norm\.weight",
-            r"lm_head\.weight",
-            r"embed_tokens\.weight",
-            r"d2t",
-            r"t2d",
+            *_DFLASH_ALLOWED,
+            r"markov_head\.markov_w(1|2)\.weight",
+            r"markov_head\.(gate_proj|joint_proj)\.(weight|bias)",
+            r"confidence_head\.proj\.(weight|bias)",
         ),
-        required=(
-            r"fc\.weight",
-            r"hidden_norm\.weight",
-            r"norm\.weight",
-            r"layers\.0\.self_attn\.q_proj\.weight",
-        ),
+        required=_DFLASH_REQUIRED,
     ),
     "eagle3": Adapter(
         allowed=(
@@ -142,6 +153,13 @@ def vllm_weights(model: DraftModel, state: dict[str, torch.Tensor] | None = None
     return ADAPTERS[algorithm].convert(model.vllm_state_dict(state), algorithm)
 
 
+def vllm_refusal(model: DraftModel) -> str | None:
+    """Why vLLM cannot serve ``model`` as trained (None: it can); algorithms say it by a
+    ``vllm_refusal()`` method."""
+    check = getattr(model, "vllm_refusal", None)
+    return check() if check is not None else None
+
+
 _WARNED: set[str] = set()
 
 
@@ -174,13 +192,22 @@ def export_draft(
     architectures: Sequence[str] = (),
     state: dict[str, torch.Tensor] | None = None,
     include_embeddings: bool = False,
+    for_vllm: bool = True,
 ) -> Path:
     """Write ``config.json`` + ``model.safetensors`` into ``out_dir`` (created if needed).
 
     ``state``: a full state dict to export instead of the module's own (FSDP gathers one).
     ``include_embeddings``: also write the verifier's ``embed_tokens.weight`` (vLLM shares the
     target's when it is absent; speculators 0.9.0's ``Eagle3DraftModel.from_pretrained`` needs it).
+    ``for_vllm``: refuse (:class:`ExportError`, one line) a draft vLLM cannot serve as trained
+    (the model's ``vllm_refusal()``, e.g. a gated DSpark head); False writes it anyway, in the
+    same format, for ``spectrain eval`` and speculators (the trainer's checkpoints do).
     """
+    if for_vllm:
+        reason = vllm_refusal(model)
+        if reason:
+            raise ExportError(f"{model.cfg.algorithm}: vLLM cannot serve this draft: {reason} (export with "
+                              "--allow-unservable to write it for spectrain eval and speculators)")  # fmt: skip
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     weights = vllm_weights(model, state)

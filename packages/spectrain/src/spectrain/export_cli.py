@@ -23,12 +23,14 @@ from spectrain.train_cli import _resolve_verifier, _setup_logging
     default=False,
     help="Also write the verifier's embed_tokens.weight (speculators' Eagle3 from_pretrained needs it).",
 )
+@click.option("--allow-unservable", is_flag=True, help="Write a draft vLLM cannot serve as trained (a gated or "
+              "rnn DSpark head) for spectrain eval and speculators.")  # fmt: skip
 def export(checkpoint: str, out_dir: str, verifier: str | None, verifier_name: str | None,
-           include_embeddings: bool) -> None:  # fmt: skip
+           include_embeddings: bool, allow_unservable: bool) -> None:  # fmt: skip
     """Re-export CHECKPOINT (a spectrain checkpoint directory) to OUT_DIR for vLLM."""
     _setup_logging()
     from spectrain.checkpoint import load_checkpoint_model
-    from spectrain.export import export_draft
+    from spectrain.export import ExportError, export_draft
 
     if verifier:
         data = {"verifier": verifier}
@@ -40,8 +42,11 @@ def export(checkpoint: str, out_dir: str, verifier: str | None, verifier_name: s
     except ValueError as e:
         raise click.ClickException(str(e)) from None
     name = verifier_name or resolved["train"].get("verifier_name") or model.verifier.info.name_or_path
-    out = export_draft(model, out_dir, verifier_name=name, architectures=model.verifier.info.architectures,
-                       include_embeddings=include_embeddings)  # fmt: skip
+    try:
+        out = export_draft(model, out_dir, verifier_name=name, architectures=model.verifier.info.architectures,
+                           include_embeddings=include_embeddings, for_vllm=not allow_unservable)  # fmt: skip
+    except ExportError as e:
+        raise click.ClickException(str(e)) from None
     from spectrain.draft_io import read_export_config
     from spectrain.export import speculative_config_for
 

@@ -93,6 +93,10 @@ class MetricSums:
             out["tau"] = round(1.0 + float(vals["accepted_sum"]) / max(1.0, float(vals["chains"])), 6)
         if "loss_sum" in vals:
             out["loss"] = float(vals["loss_sum"]) / max(1e-9, float(vals["weight_sum"]))
+        for k in vals:  # an algorithm's own means: NAME_sum over NAME_total (DSpark's accept_rate, ...)
+            name = k.removesuffix("_sum")
+            if k != name and f"{name}_total" in vals and name not in out:
+                out[name] = round(float(vals[k]) / max(1e-9, float(vals[f"{name}_total"])), 6)
         return out
 
 
@@ -156,8 +160,5 @@ def train_record(window: LogWindow, info: DistInfo, *, step: int, epoch: int, po
     stats = getattr(source, "stats", None)
     if callable(stats):
         rec["data"] = stats()
-    if "acc" in summ:
-        rec["acc"] = summ["acc"]
-    if "tau" in summ:
-        rec["tau"] = summ["tau"]
+    rec.update((k, v) for k, v in summ.items() if k != "loss")  # acc, tau and an algorithm's own means
     return rec

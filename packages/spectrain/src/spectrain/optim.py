@@ -2,8 +2,8 @@
 
 ``adamw`` is one AdamW over every trainable parameter. ``muon`` orthogonalises the updates of
 the weight matrices with ``torch.optim.Muon`` (every 2-D parameter with both sides > 1 whose
-name holds neither ``embed_tokens`` nor ``lm_head``) and gives the rest (norms, vocabulary
-rows) to AdamW. Both share one schedule: linear warmup, then cosine, linear or no decay.
+name holds none of ``embed_tokens``, ``lm_head`` and DSpark's ``markov_w1``/``markov_w2``) and gives
+the rest (norms, vocabulary rows and tables) to AdamW. Both share one schedule: linear warmup, then cosine, linear or no decay.
 
 :meth:`Optimizers.step` takes a ``skip`` flag that stays on the device: fused AdamW reads it as
 its ``found_inf`` (the mechanism ``torch.amp.GradScaler`` uses) and :class:`SkippableMuon` masks
@@ -30,7 +30,7 @@ __all__ = ["MuonSplit", "OptimConfig", "Optimizers", "SkippableMuon", "build_opt
 
 OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "linear", "constant")
-_NOT_MUON = ("embed_tokens", "lm_head")
+_NOT_MUON = ("embed_tokens", "lm_head", "markov_w1", "markov_w2")
 
 
 @dataclass

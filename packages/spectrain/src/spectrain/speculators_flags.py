@@ -116,7 +116,7 @@ def _note(text: str) -> Apply:
 
 
 def _draft_arch(t: Translation, values: list[str]) -> None:
-    arch = {"eagle3": "llama", "dflash": "qwen3"}.get(t.algorithm)
+    arch = {"eagle3": "llama", "dflash": "qwen3", "dspark": "qwen3"}.get(t.algorithm)
     if values[0] != arch:
         raise click.UsageError(f"--draft-arch {values[0]}: spectrain's {t.algorithm} draft layers are "
                                f"{arch or 'fixed by the algorithm'}; leave --draft-arch out")  # fmt: skip
@@ -144,7 +144,21 @@ def _prefetch_factor(t: Translation, values: list[str]) -> None:
     t.tokens.extend(["--prefetch", str(int(values[0]) * workers)])
 
 
+_DSPARK_TERMS = ("ce", "kl_div", "tv")
+
+
 def _loss_fn(t: Translation, values: list[str]) -> None:
+    if t.algorithm == "dspark":  # its loss mix: a term or a JSON object of term weights
+        spec = values[0]
+        try:
+            mix = {spec: 1.0} if spec in _DSPARK_TERMS else json.loads(spec)
+        except json.JSONDecodeError:
+            mix = None
+        if not isinstance(mix, dict) or not mix or not set(mix) <= set(_DSPARK_TERMS):
+            raise click.UsageError(f"--loss-fn {spec}: spectrain's dspark mixes {', '.join(_DSPARK_TERMS)} "
+                                   "(a name or a JSON object such as '{\"ce\": 0.1, \"tv\": 1.8}'); no other loss")  # fmt: skip
+        t.tokens.extend(["--draft-option", "loss_mix=" + json.dumps(mix)])
+        return
     modes = {"ce": "hard", "kl_div": "soft"}
     if values[0] not in modes:
         raise click.UsageError(f"--loss-fn {values[0]}: spectrain trains with ce (--target-mode hard) or kl_div "
@@ -154,7 +168,35 @@ def _loss_fn(t: Translation, values: list[str]) -> None:
 
 def _other_algorithm(name: str) -> Flag:
     return Flag("(its default)", f"refused: an option of speculators' {name}, an algorithm spectrain does not "
-                "implement (dflash, eagle3; a plugin can add one: docs/adding-an-algorithm.md)")  # fmt: skip
+                "implement (dflash, dspark, eagle3; a plugin can add one: docs/adding-an-algorithm.md)")  # fmt: skip
+
+
+def _dspark(flag: str, key: str, value: Any = None) -> Apply:
+    """``--draft-option key=VALUE`` under ``--speculator-type dspark`` (``value``: a switch's), refused otherwise."""
+
+    def apply(t: Translation, values: list[str]) -> None:
+        if t.algorithm != "dspark":
+            raise click.UsageError(f"{flag}: an option of dspark; give --speculator-type dspark")
+        t.tokens.extend(["--draft-option", f"{key}={json.dumps(value) if value is not None else values[0]}"])
+
+    return apply
+
+
+def _sample_from_anchor(flag: str, on: bool) -> Apply:
+    def apply(t: Translation, values: list[str]) -> None:
+        if t.algorithm == "dspark":
+            t.tokens.extend(["--draft-option", f"sample_from_anchor={json.dumps(on)}"])
+        elif on:
+            raise click.UsageError(f"{flag}: spectrain's DFlash never predicts the anchor (it is given); "
+                                   "--speculator-type dspark drafts anchor-first")  # fmt: skip
+
+    return apply
+
+
+DSPARK_ONLY = ("--markov-rank", "--markov-head-type", "--confidence-head-alpha", "--enable-confidence-head",
+               "--no-enable-confidence-head", "--confidence-head-with-markov", "--no-confidence-head-with-markov",
+               "--sample-from-anchor")  # fmt: skip
+"""Flags accepted only with ``--speculator-type dspark``."""
 
 
 _NO_MOONCAKE = ("refused: no Mooncake transfer; spectrain reads the files of vLLM's ExampleHiddenStatesConnector "
@@ -171,7 +213,8 @@ FLAGS: dict[str, Flag] = dict([
                       _to("--config"), 1)),
     ("--dump-config", Flag("off", "`--dump-config`: print the resolved TrainConfig as JSON (a spectrain "
                            "`--config` file) and exit", _emit("--dump-config"), 0)),
-    _same("--speculator-type", "eagle3", "`--speculator-type`, default dflash (dflash, eagle3 and plugins)"),
+    _same("--speculator-type", "eagle3", "`--speculator-type`, default dflash (dflash, dspark, eagle3 and "
+          "plugins)"),
     ("--dry-run", Flag("off (build, save an initial checkpoint, exit)", "`--dry-run`: print the resolved plan "
                        "(steps, tokens, FLOPs, peak memory) and exit; writes nothing", _emit("--dry-run"), 0)),
     _same("--seed", "42", "`--seed`, default 0"),
@@ -187,9 +230,10 @@ FLAGS: dict[str, Flag] = dict([
     _same("--from-pretrained", "none", "`--from-pretrained DIR`: an exported draft (ours or speculators')"),
     ("--draft-config", Flag("none", "refused: the draft's decoder follows the verifier's shape; set "
                             "--num-layers, or any algorithm option with --draft-option KEY=VALUE")),
-    _same("--num-layers", "5 for dflash, 1 otherwise", "`--num-layers`, default 5 for dflash, 1 for eagle3"),
+    _same("--num-layers", "5 for dflash, 1 otherwise", "`--num-layers`, default 5 for dflash and dspark, 1 for "
+          "eagle3"),
     ("--draft-arch", Flag("llama for eagle3, qwen3 otherwise", "accepted when it names the algorithm's own "
-                          "layers (eagle3: llama, dflash: qwen3), refused otherwise", _draft_arch)),
+                          "layers (eagle3: llama, dflash and dspark: qwen3), refused otherwise", _draft_arch)),
     ("--draft-hidden-act", Flag("silu", "accepted as `silu` (spectrain's draft MLPs are SwiGLU), refused "
                                 "otherwise", _only("silu", "--draft-hidden-act: spectrain's drafts use silu "
                                                    "(SwiGLU) only; leave the flag out"))),
@@ -277,7 +321,8 @@ FLAGS: dict[str, Flag] = dict([
                                    _only("fused", "--loss-implementation: spectrain's loss is always the chunked "
                                          "(fused) one; eager exists only as the tests' reference"))),
     ("--loss-fn", Flag("ce for dflash, kl_div otherwise", "`--target-mode hard` (ce) / `soft` (kl_div), default "
-                       "hard; other losses refused", _loss_fn)),
+                       "hard; dspark: `--draft-option loss_mix=...` (ce, kl_div, tv or a JSON mix of them, default "
+                       "kl_div); other losses refused", _loss_fn)),
     _same("--ttt-steps", "3", "`--ttt-steps`, default 3"),
     _same("--ttt-step-loss-decay", "1.0", "`--ttt-step-loss-decay`, default 0.8"),
     # -- optimizer
@@ -327,14 +372,17 @@ FLAGS: dict[str, Flag] = dict([
     _same("--run-name", "auto-generated", "`--run-name`: the trackers' run name and the report's title "
           "({time}, {rank}, ... filled in), default --save-path's last directory"),
     # -- dflash
-    _same("--block-size", "16 for dflash, 8 otherwise", "`--block-size`, default 16"),
-    ("--sample-from-anchor", Flag("off for dflash", "refused: no equivalent: spectrain's DFlash never predicts "
-                                  "the anchor (it is given), only its block's other positions", None, 0)),
-    ("--no-sample-from-anchor", Flag("off for dflash", "accepted (spectrain never predicts the anchor)", _emit(),
-                                     0)),
+    _same("--block-size", "16 for dflash, 8 otherwise", "`--block-size`, default 16 for dflash, 8 for dspark"),
+    ("--sample-from-anchor", Flag("off for dflash, on for dspark", "dspark: `--draft-option sample_from_anchor=true` "
+                                  "(the default); refused for dflash (its anchor is given)",
+                                  _sample_from_anchor("--sample-from-anchor", True), 0)),
+    ("--no-sample-from-anchor", Flag("off for dflash, on for dspark", "dspark: `--draft-option "
+                                     "sample_from_anchor=false` (DFlash's fill-in block); dflash: accepted (its "
+                                     "anchor is given)", _sample_from_anchor("--no-sample-from-anchor", False), 0)),
     ("--dflash-decay-gamma", Flag("4.0", "`--loss-gamma` (with --loss-weighting exp-decay), default 7/5/4 for "
                                   "B = 16/10/8", _to("--loss-gamma"))),
-    ("--per-position-loss-weight", Flag("dpace for dflash", "`--loss-weighting dpace|exp-decay`, default dpace",
+    ("--per-position-loss-weight", Flag("dpace for dflash", "`--loss-weighting dpace|exp-decay`, default dpace "
+                                        "(dflash), exp-decay (dspark)",
                                         _to("--loss-weighting", {"dpace": "dpace",
                                                                  "fixed-exp-decay": "exp-decay"}))),
     _same("--dpace-alpha", "0.5", "`--dpace-alpha`, default 0.5"),
@@ -348,7 +396,6 @@ FLAGS: dict[str, Flag] = dict([
 
 for _alg, _names in {
     "dflash2": ("conv-kernel-size", "conv-group-size", "selector-rank", "selector-top-k", "selector-loss-alpha"),
-    "dspark": ("markov-rank", "markov-head-type", "confidence-head-alpha"),
     "xpress": ("xpress-rank", "xpress-mlp-ratio", "num-jacobi-passes", "consistency-weight", "consistency-passes",
                "base-anchor-weight"),
     "peagle": ("num-depths", "down-sample-ratio", "down-sample-ratio-min"),
@@ -356,9 +403,20 @@ for _alg, _names in {
 }.items():  # fmt: skip
     for _name in _names:
         FLAGS[f"--{_name}"] = _other_algorithm(_alg)
-for _name in ("enable-confidence-head", "no-enable-confidence-head", "confidence-head-with-markov",
-              "no-confidence-head-with-markov"):  # fmt: skip
-    FLAGS[f"--{_name}"] = Flag("on", _other_algorithm("dspark").ours, None, 0)
+FLAGS.update({
+    "--markov-rank": Flag("256", "dspark: `--draft-option markov_rank=N`, default 256",
+                          _dspark("--markov-rank", "markov_rank")),
+    "--markov-head-type": Flag("vanilla", "dspark: `--draft-option markov_head_type=vanilla|gated|rnn`, default "
+                               "vanilla (the only one vLLM 0.32 serves)",
+                               _dspark("--markov-head-type", "markov_head_type")),
+    "--confidence-head-alpha": Flag("1.0", "dspark: `--draft-option confidence_head_alpha=A`, default 1.0",
+                                    _dspark("--confidence-head-alpha", "confidence_head_alpha")),
+    **{f"--{neg}{name}": Flag("on", f"dspark: `--draft-option {key}={'false' if neg else 'true'}`, default on",
+                              _dspark(f"--{neg}{name}", key, not neg), 0)
+       for name, key in (("enable-confidence-head", "enable_confidence_head"),
+                         ("confidence-head-with-markov", "confidence_head_with_markov"))
+       for neg in ("", "no-")},
+})  # fmt: skip
 for _name in ("ce-from-data", "base-anchor-full-weight"):
     FLAGS[f"--{_name}"] = Flag("off", _other_algorithm("xpress").ours, None, 0)
 

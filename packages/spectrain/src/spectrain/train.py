@@ -58,7 +58,7 @@ from spectrain.distributed import (
     resolve_device,
     wrap_model,
 )
-from spectrain.export import export_draft
+from spectrain.export import export_draft, vllm_refusal
 from spectrain.loader import BufferPool
 from spectrain.metrics import LogWindow, MetricsLog, MetricSums, train_record
 from spectrain.optim import MuonSplit, Optimizers, build_optimizers, lr_lambda
@@ -312,6 +312,10 @@ class Trainer:
 
         if self.info.is_main:
             log.info("%s", startup_line(self))
+            unservable = vllm_refusal(self.module)
+            if unservable:
+                log.warning("checkpoints of this run load in spectrain eval and speculators, not in vLLM: %s",
+                            unservable)  # fmt: skip
         bar = progress_bar(total=self.total_steps, initial=self.global_step, disable=not self.info.is_main, unit="step",
                    desc=f"train {cfg.speculator_type}", dynamic_ncols=True)  # fmt: skip
         window = LogWindow()
@@ -533,7 +537,7 @@ class Trainer:
                 write_checkpoint(self.save_path, name, state, resolved,
                                  lambda d: export_draft(self.module, d, verifier_name=self.verifier_name,
                                                         architectures=self.verifier.info.architectures,
-                                                        state=model_sd))  # fmt: skip
+                                                        state=model_sd, for_vllm=False))  # fmt: skip
             except CheckpointWriteError as e:
                 failed = e
             else:

@@ -233,16 +233,17 @@ class DFlashDraft(DraftModel):
             raise ValueError(f"aux hidden states have width {aux.shape[1]}, fc expects {self.fc.in_features}")
         return self.hidden_norm(self.fc(self._dtype_in(aux)))
 
-    def _mask(self, doc_ids, anchors, anchor_docs) -> MaskSpec:
+    def _mask(self, doc_ids, anchors, anchor_docs, block: int | None = None) -> MaskSpec:
         cfg: DFlashConfig = self.cfg
-        return dflash_mask(doc_ids, anchors, anchor_docs, cfg.block_size,
+        return dflash_mask(doc_ids, anchors, anchor_docs, block or cfg.block_size,
                            causal=cfg.block_attention == "causal", window=cfg.sliding_window)  # fmt: skip
 
     def _run_blocks(
-        self, ctx, ctx_pos, anchor_tokens, anchor_pos, mask: PreparedMask, device
+        self, ctx, ctx_pos, anchor_tokens, anchor_pos, mask: PreparedMask, device, block: int | None = None
     ) -> torch.Tensor:
-        """Draft layers over ``N`` blocks; returns final-normed states ``[N, B, H]``."""
-        N, B = int(anchor_tokens.shape[0]), self.cfg.block_size
+        """Draft layers over ``N`` blocks (of ``block`` slots, default ``block_size``); returns
+        final-normed states ``[N, B, H]``."""
+        N, B = int(anchor_tokens.shape[0]), block or self.cfg.block_size
         ids = torch.full((N, B), self.mask_token_id, dtype=torch.int64, device=device)
         ids[:, 0] = anchor_tokens
         x = self._dtype_in(self.verifier.embed(ids).reshape(N * B, -1))
@@ -403,6 +404,11 @@ class DFlashDraft(DraftModel):
         fc = 2 * S * self.fc.in_features * H
         return 3.0 * (len(self.layers) * layer + fc) + head
 
+    @property
+    def max_proposals(self) -> int:
+        """Most tokens one block proposes (``block_size - 1``: the anchor is given)."""
+        return self.cfg.block_size - 1
+
     @torch.no_grad()
     def propose(self, context: DraftContext, num_tokens: int | None = None) -> list[int]:
         """Draft one block in ONE forward pass.
@@ -416,19 +422,31 @@ class DFlashDraft(DraftModel):
 
         Returns:
             ``num_tokens`` greedy proposals (verifier vocabulary ids) for positions ``T+1...``.
-
-        With FlexAttention the context is padded to :func:`~spectrain.models.layers.context_bucket`
-        slots (masked out), so a decode loop reuses one compiled kernel per bucket.
         """
         B = self.cfg.block_size
         n = B - 1 if num_tokens is None else num_tokens
         if not 0 < n <= B - 1:
             raise ValueError(f"DFlash proposes 1..{B - 1} tokens per block, asked for {n}")
+        out = self.propose_block(context, B)
+        draft_ids = self._draft_ids()
+        h = out[1 : n + 1]
+        pred = torch.nn.functional.linear(h, self._head_rows().to(h.dtype)).argmax(-1)
+        if draft_ids is not None:
+            pred = draft_ids[pred]
+        return [int(t) for t in pred.tolist()]
+
+    def propose_block(self, context: DraftContext, block: int) -> torch.Tensor:
+        """The final-normed states ``[block, H]`` of one block ``[anchor, MASK x (block - 1)]`` at
+        positions ``T..T+block-1`` after ``context`` (the anchor is its last token id).
+
+        With FlexAttention the context is padded to :func:`~spectrain.models.layers.context_bucket`
+        slots (masked out), so a decode loop reuses one compiled kernel per bucket.
+        """
         device = self.fc.weight.device
         aux = torch.as_tensor(context.aux_hidden_states).to(device)
         T = aux.shape[0]
         if T < 1:
-            raise ValueError("DFlash needs at least one context position")
+            raise ValueError(f"{self.cfg.algorithm} needs at least one context position")
         tokens = torch.as_tensor(context.token_ids, dtype=torch.int64, device=device)
         if tokens.numel() != T + 1:
             raise ValueError(
@@ -444,15 +462,9 @@ class DFlashDraft(DraftModel):
             doc = torch.nn.functional.pad(doc, (0, pad), value=-1)
             ctx_pos = torch.nn.functional.pad(ctx_pos, (0, pad))
         anchor = torch.tensor([T], device=device)
-        spec = self._mask(doc, anchor, torch.zeros(1, dtype=torch.int64, device=device))
+        spec = self._mask(doc, anchor, torch.zeros(1, dtype=torch.int64, device=device), block)
         mask = PreparedMask(spec, backend)
-        out = self._run_blocks(ctx, ctx_pos, tokens[-1:], anchor, mask, device)
-        draft_ids = self._draft_ids()
-        h = out[0, 1 : n + 1]
-        pred = torch.nn.functional.linear(h, self._head_rows().to(h.dtype)).argmax(-1)
-        if draft_ids is not None:
-            pred = draft_ids[pred]
-        return [int(t) for t in pred.tolist()]
+        return self._run_blocks(ctx, ctx_pos, tokens[-1:], anchor, mask, device, block)[0]
 
     # ------------------------------------------------------------------ export
 

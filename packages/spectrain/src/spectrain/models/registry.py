@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _REGISTRY: dict[str, type[DraftConfig]] = {}
-BUILTIN = ("dflash", "eagle3")
+BUILTIN = ("dflash", "dspark", "eagle3")
 
 
 @dataclass
