@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""End-to-end quality benchmark: measured acceptance length of trained DFlash and Eagle3 drafts.
+"""End-to-end quality benchmark: measured acceptance length of trained DFlash, DSpark and Eagle3 drafts.
 
 No model can be downloaded, so the script builds a small but real target first:
 
@@ -11,13 +11,14 @@ No model can be downloaded, so the script builds a small but real target first:
    out for evaluation); the target continues each greedily, as the DFlash and EAGLE papers
    regenerate responses with the target. The reference server (``hsgen serve``) and
    ``hsgen generate`` land the hidden states in a store, exactly as with vLLM.
-3. **Drafts.** ``spectrain train`` trains a DFlash and an Eagle3 draft on the same data (same
-   samples and epochs; each at its own swept learning rate), ``spectrain export`` writes vLLM
+3. **Drafts.** ``spectrain train`` trains a DFlash, a DSpark and an Eagle3 draft on the same data
+   (same samples and epochs; each at its own swept learning rate; DSpark's anchor-first block is one
+   slot shorter than DFlash's, so both propose K tokens), ``spectrain export`` writes vLLM
    directories, and an untrained DFlash draft is exported as the baseline.
 4. **Eval.** ``spectrain eval``'s speculative decoding (greedy verification, outputs checked
    against the target's own greedy decoding) on held-out prompts.
 
-The last stdout line is JSON with ``tau_dflash``, ``tau_eagle3``, ``tau_baseline``,
+The last stdout line is JSON with ``tau_dflash``, ``tau_dspark``, ``tau_eagle3``, ``tau_baseline``,
 ``exact_match``. Ablations: ``--only dflash --train-args '--optimizer muon' --tag muon --work DIR``
 trains and evaluates one draft with extra ``spectrain train`` flags against the store kept in
 ``DIR`` (the last line then holds that draft's ``tau``, per-position acceptance, training FLOPs
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--only",
-        choices=["dflash", "eagle3", "baseline"],
+        choices=["dflash", "dspark", "eagle3", "baseline"],
         default=None,
         help="Train and evaluate this draft only (ablations; the last line then describes it alone).",
     )
@@ -148,10 +149,10 @@ def main(argv: list[str] | None = None) -> int:
         results: dict[str, dict] = {}
         train_summaries = {}
         drafts = {}
-        trained = [a for a in ("dflash", "eagle3") if args.only in (None, a)]
+        trained = [a for a in ("dflash", "dspark", "eagle3") if args.only in (None, a)]
         tag = args.tag or ("speculators" if args.recipe == "speculators" else "")
         for algorithm in trained:
-            aux = dflash_aux if algorithm == "dflash" else eagle_aux
+            aux = eagle_aux if algorithm == "eagle3" else dflash_aux
             recipe = SPECULATORS_RECIPE[algorithm] if args.recipe == "speculators" else ""
             extra = shlex.split(recipe) + shlex.split(args.train_args)
             t0 = time.perf_counter()
@@ -171,7 +172,12 @@ def main(argv: list[str] | None = None) -> int:
             "size": size_name,
             "device": device,
             "target": facts,
-            "layers": {"dflash": dflash_aux, "eagle3": eagle_aux, "store": store_layers},
+            "layers": {
+                "dflash": dflash_aux,
+                "dspark": dflash_aux,
+                "eagle3": eagle_aux,
+                "store": store_layers,
+            },
             "recipe": args.recipe,
             "train_args": args.train_args,
             "train": train_summaries,
@@ -213,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             final = {
                 "tau_dflash": round(results["dflash"]["tau"], 4),
+                "tau_dspark": round(results["dspark"]["tau"], 4),
                 "tau_eagle3": round(results["eagle3"]["tau"], 4),
                 "tau_baseline": round(results["baseline"]["tau"], 4),
                 "exact_match": exact,

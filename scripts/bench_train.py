@@ -23,7 +23,8 @@ line) and ``*_sync_free`` (on CUDA: one step under ``set_sync_debug_mode("error"
 Each part (a draft with an optimizer, eager or compiled) prints the result so far as a JSON line
 when it ends (``parts_done`` lists them; ``--json-out FILE`` also replaces FILE with it), so a
 run cut by a time bound keeps what it finished; the last line of a whole run has
-``"complete": true``. ``--models dflash`` or ``eagle3`` times one draft (one process per draft).
+``"complete": true``. ``--models dflash``, ``dspark`` or ``eagle3`` times one draft (one process per
+draft; DSpark at DFlash's shape with a rank-256 Markov head and the confidence head, timed only).
 
 ``--plan``: no GPU needed. Builds both drafts at the reference shape with the real model classes
 under FakeTensorMode and runs two whole steps through them (``spectrain.accounting``): FLOPs
@@ -63,11 +64,15 @@ TINY_SHAPE = dict(seq=512, hidden=64, heads=4, kv=2, head_dim=16, inter=128, voc
 AUX_LAYERS = (2, 18, 33)
 
 GPU_OPTS = {"dflash": dict(num_layers=5, block_size=16, max_anchors=512),
+            "dspark": dict(num_layers=5, block_size=16, max_anchors=512, markov_rank=256),
             "eagle3": dict(ttt_steps=3, draft_vocab_size=32000)}  # fmt: skip
 CPU_OPTS = {"dflash": dict(num_layers=2, block_size=8, max_anchors=64),
+            "dspark": dict(num_layers=2, block_size=8, max_anchors=64, markov_rank=64),
             "eagle3": dict(ttt_steps=3, draft_vocab_size=2048)}  # fmt: skip
 TINY_OPTS = {"dflash": dict(num_layers=2, block_size=8, max_anchors=32),
+             "dspark": dict(num_layers=2, block_size=8, max_anchors=32, markov_rank=16),
              "eagle3": dict(ttt_steps=3, draft_vocab_size=256)}  # fmt: skip
+MODELS = ("dflash", "dspark", "eagle3")
 
 PEER = {
     "source": "speculators 0.9.0 on an H200 (../shared/peer-bench/README.md), AdamW, sliding window 2048",
@@ -499,7 +504,7 @@ def main() -> None:
     )
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--models", type=lambda s: s.split(","), default=["dflash", "eagle3"],
-                    help="timed drafts, comma-separated (dflash,eagle3); one process per draft keeps a crash or "
+                    help="timed drafts, comma-separated (dflash,dspark,eagle3); one process per draft keeps a crash or "
                          "a time bound in one from costing the other")  # fmt: skip
     ap.add_argument(
         "--json-out",
@@ -514,9 +519,9 @@ def main() -> None:
     if args.plan:
         print(json.dumps(run_plan(args)))
         return
-    unknown = sorted(set(args.models) - {"dflash", "eagle3"})
+    unknown = sorted(set(args.models) - set(MODELS))
     if unknown:
-        ap.error(f"--models: unknown draft {unknown[0]!r} (dflash, eagle3)")
+        ap.error(f"--models: unknown draft {unknown[0]!r} ({', '.join(MODELS)})")
     emit(run_timed(args), args.json_out)
 
 

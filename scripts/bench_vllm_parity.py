@@ -5,8 +5,9 @@
 
 Builds hidden states of the tiny verifier vLLM serves (head_dim 32) with ``hsgen serve``, trains a
 DFlash draft (bidirectional inside the block, and with ``--causal`` also a causal one) and an
-Eagle3 draft with ``spectrain train``, then serves each in vLLM (CPU build, ``bash
-scripts/install_vllm.sh``) with ``--speculative-config`` naming the method and runs ``spectrain eval
+Eagle3 draft with ``spectrain train`` (with ``--dspark`` also a DSpark draft: vLLM serves it only in
+its V2 GPU runner, so that needs vLLM's CUDA build on a GPU), then serves each in vLLM (the CPU build,
+``bash scripts/install_vllm.sh``, or a CUDA one) with ``--speculative-config`` naming the method and runs ``spectrain eval
 --endpoint`` on held-out prompts: vLLM's tau from its spec-decode counters on ``/metrics``, ours
 counted the same way, and every served output checked against greedy decoding. The last stdout
 line is one JSON object (``dflash_vllm_tau``, ``dflash_spectrain_tau``, ``eagle3_vllm_tau``,
@@ -32,6 +33,8 @@ DRAFTS = {
     "dflash_causal": ["--speculator-type", "dflash", "--block-size", "4", "--max-anchors", "64", "--num-layers", "1",
                       "--block-attention", "causal"],
     "eagle3": ["--speculator-type", "eagle3", "--ttt-steps", "3"],
+    "dspark": ["--speculator-type", "dspark", "--block-size", "4", "--max-anchors", "64", "--num-layers", "1",
+               "--markov-rank", "64"],
 }  # fmt: skip
 
 
@@ -82,8 +85,10 @@ def launch(draft: Path, model: Path, args, logs: Path):
     from spectrain.export import speculative_config_for
 
     spec = speculative_config_for(draft, read_export_config(draft))
+    env = {"VLLM_USE_V2_MODEL_RUNNER": "1"} if spec["method"] == "dspark" else None  # its only runner
     return launch_server(model, speculative_args(draft, spec["method"], spec["num_speculative_tokens"]),
-                         python=vllm_python(args.vllm_venv), log_path=logs / f"vllm-{draft.parent.name}.log")  # fmt: skip
+                         python=vllm_python(args.vllm_venv), log_path=logs / f"vllm-{draft.parent.name}.log",
+                         env=env)  # fmt: skip
 
 
 def serve_and_eval(server, t0: float, draft: Path, model: Path, prompts: Path, args) -> dict:
@@ -112,6 +117,9 @@ def main() -> None:
     parser.add_argument("--work", type=Path, help="work directory (kept; reused: the store and drafts)")
     parser.add_argument("--vllm-venv", help="the vLLM venv [default: $VLLM_VENV or <repo>/.venv-vllm]")
     parser.add_argument("--causal", action="store_true", help="also a DFlash draft causal inside the block")
+    parser.add_argument(
+        "--dspark", action="store_true", help="also a DSpark draft (vLLM's CUDA build on a GPU)"
+    )
     parser.add_argument("--train-chats", type=int)
     parser.add_argument("--prompts", type=int)
     parser.add_argument("--max-new-tokens", type=int)
@@ -128,14 +136,24 @@ def main() -> None:
     from hsgen.tiny import VLLM_SPEC, ensure_tiny_model
     from hsgen.vllm_server import vllm_python
 
-    vllm_python(args.vllm_venv)  # fail now, not after training, when vLLM is not installed
+    python = vllm_python(args.vllm_venv)  # fail now, not after training, when vLLM is not installed
+    if args.dspark:
+        from hsgen.vllm_command import probe_vllm
+
+        if probe_vllm(str(python)).build == "cpu":
+            raise SystemExit("--dspark: vLLM serves DSpark only in its V2 GPU runner; this is the CPU build "
+                             f"({python}): run it where vLLM's CUDA build and a GPU are")  # fmt: skip
     model = ensure_tiny_model(spec=VLLM_SPEC)
     lines = sample_chats_path().read_text().splitlines()
     (work / "train.jsonl").write_text("\n".join(lines[:n_train]) + "\n")
     (work / "heldout.jsonl").write_text("\n".join(lines[-n_prompts:]) + "\n")  # never trained on
     log(f"store of {n_train} chats (hsgen serve) in {work}")
     store = make_store(work, model, work / "train.jsonl")
-    names = ["dflash", "eagle3"] + (["dflash_causal"] if args.causal else [])
+    names = (
+        ["dflash", "eagle3"]
+        + (["dflash_causal"] if args.causal else [])
+        + (["dspark"] if args.dspark else [])
+    )
     figures: dict = {"quick": args.quick, "train_chats": n_train, "prompts": n_prompts,
                      "max_new_tokens": args.max_new_tokens}  # fmt: skip
     drafts = {}

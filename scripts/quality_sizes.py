@@ -122,6 +122,8 @@ SPECULATORS_OPTIMIZER = (
 SPECULATORS_RECIPE = {
     "dflash": "--target-mode hard --loss-weighting dpace --loss-norm count --anchor-rule packed "
     "--block-attention causal --sliding-window 2048 " + SPECULATORS_OPTIMIZER,
+    "dspark": "--anchor-rule packed --draft-option slot_mask=input --draft-option anchor_needs_label=false "
+    "--loss-gamma 4 --block-attention causal --sliding-window 2048 " + SPECULATORS_OPTIMIZER,
     "eagle3": "--target-mode soft --loss-norm count --loss-mask-on source --freeze-lm-head --norm-before-fc "
     "--norm-output --ttt-step-loss-decay 1.0 --sliding-window 2048 " + SPECULATORS_OPTIMIZER,
 }

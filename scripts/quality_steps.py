@@ -203,12 +203,13 @@ def train_draft(algorithm: str, size: BenchSize, target: Path, store: Path, aux:
     args = [
         "train", "--store", str(store), "--verifier", str(target), "--verifier-name", "bench/stdlib-target",
         "--speculator-type", algorithm, "--save-path", str(save), "--epochs", str(size.draft_epochs),
-        "--lr", str(size.dflash_lr if algorithm == "dflash" else size.eagle3_lr), "--total-seq-len", str(size.draft_seq_len), "--save-every", "0",
+        "--lr", str(size.eagle3_lr if algorithm == "eagle3" else size.dflash_lr), "--total-seq-len", str(size.draft_seq_len), "--save-every", "0",
         "--val-fraction", "0.02", "--target-layer-ids", " ".join(map(str, aux)), "--seed", "0",
         "--device", "cuda" if device.startswith("cuda") else "cpu", "--num-workers", "0", "--resume", "none",
     ]  # fmt: skip
-    if algorithm == "dflash":
-        args += ["--num-layers", str(size.dflash_layers), "--block-size", str(size.dflash_block_size),
+    if algorithm in ("dflash", "dspark"):  # DSpark anchor-first: one slot fewer for the same K proposals
+        block = size.dflash_block_size - (algorithm == "dspark")
+        args += ["--num-layers", str(size.dflash_layers), "--block-size", str(block),
                  "--max-anchors", str(size.dflash_max_anchors)]  # fmt: skip
     else:
         args += ["--ttt-steps", str(size.eagle3_ttt_steps)]

@@ -11,7 +11,7 @@
 # $OUT/summary.json is rewritten, so a run killed at any moment has already left what finished.
 # Nothing depends on the run's end: no tee (a group SIGTERM kills it first), logs go to files.
 #
-#   eager     our bench_train.py at the reference shape, one process per draft: tokens/s, peak
+#   eager     our bench_train.py at the reference shape, one process per draft (DFlash, Eagle3, then DSpark): tokens/s, peak
 #             memory (AdamW, and spectrain train's default optimizer when it differs), a host-device
 #             sync census and one step under torch.cuda.set_sync_debug_mode("error")
 #   peer      the peer's step (speculators 0.9.0, .gpu-carry/peer-bench/run.sh), AdamW, same shape
@@ -22,12 +22,15 @@
 #   compiled  bench_train.py with the training forward compiled (AdamW, 5 steps), one process per draft
 #   data      with the time left (not at the tiny shape): bench_loader.py and bench_online.py's
 #             realistic mode, 4 reader threads, on the GPU host's cores (issue 14's ceiling)
+#   vllm      DFlash, Eagle3 and DSpark drafts served by vLLM on the GPU (DSpark needs its V2 runner)
+#             against spectrain eval (bench_vllm_parity.py --quick --dspark): only with VLLM_VENV naming
+#             a venv of vLLM's CUDA build; the image has none and it is far over the carry limit
 #
 # $OUT (default ./gpu-results) gets summary.json (our figures, the peer's, the ratios, and `parts`:
 # how each part ended), parts.jsonl, run_all.log and logs.tar.gz (every part's logs and JSON).
 # TINY=1 DEVICE=cpu runs the same parts at a tiny shape on CPU (tests; the peer is skipped when
 # .gpu-carry/peer-bench is absent). PARTS picks parts (default "eager peer train serve compiled
-# data"), e.g. PARTS="compiled data" for a rerun of what a first run did not reach.
+# data vllm"), e.g. PARTS="compiled data" for a rerun of what a first run did not reach.
 set -u
 trap '' PIPE  # a closed stderr must not kill the run: everything also goes to files
 cd "$(dirname "$0")/../.."
@@ -40,7 +43,7 @@ TINY=${TINY:-0}
 CARRY=${CARRY:-$ROOT/.gpu-carry}
 DEADLINE=${DEADLINE:-540}
 RESERVE=10  # seconds kept back from every bound for the records and the last publish
-PARTS=" ${PARTS:-eager peer train serve compiled data} "
+PARTS=" ${PARTS:-eager peer train serve compiled data vllm} "
 want() { [[ "$PARTS" == *" $1 "* ]]; }
 mkdir -p "$OUT" "$WORK/logs"
 LOG=$OUT/run_all.log
@@ -160,7 +163,7 @@ if want train; then
 fi
 
 if want eager; then
-  for m in dflash eagle3; do
+  for m in dflash eagle3 dspark; do
     part "eager-$m" "${OURS_TIMEOUT:-100}" 10 "$WORK/logs/ours-$m.json" "$PY" scripts/bench_train.py --models "$m" \
       --device "$DEVICE" --no-loader --sync-census --compile off "${TINY_FLAG[@]}" --json-out "$WORK/logs/ours-$m.json"
   done
@@ -197,7 +200,7 @@ if want serve; then
 fi
 
 if want compiled; then
-  for m in dflash eagle3; do
+  for m in dflash eagle3 dspark; do
     part "compiled-$m" "${OURS_COMPILED_TIMEOUT:-110}" 10 "$WORK/logs/ours-compiled-$m.json" "$PY" scripts/bench_train.py \
       --models "$m" --device "$DEVICE" --no-loader --sync-census --compile on --compile-backend "$COMPILE_BACKEND" \
       --adamw-only --steps 5 "${TINY_FLAG[@]}" --json-out "$WORK/logs/ours-compiled-$m.json"
@@ -215,6 +218,15 @@ else
   b=$(( $(left) / 3 )); (( b > 40 )) && b=40
   part loader "$b" 5 "$WORK/logs/loader.json" "$PY" scripts/bench_loader.py --quick --threads 4
   part online 80 5 "$WORK/logs/online.json" "$PY" scripts/bench_online.py --quick --mode realistic --threads 4
+fi
+if ! want vllm; then
+  :
+elif [ -n "${VLLM_VENV:-}" ] && [ -x "$VLLM_VENV/bin/python" ] && [ "$DEVICE" = cuda ]; then
+  part vllm "${VLLM_TIMEOUT:-300}" 10 "$WORK/logs/vllm.json" "$PY" scripts/bench_vllm_parity.py --quick --dspark \
+    --work "$WORK/vllm" --vllm-venv "$VLLM_VENV"
+else
+  log "vllm skipped: no VLLM_VENV with vLLM's CUDA build on this machine"
+  record vllm skipped 0 0
 fi
 log "done in $(( $(date +%s) - T0 ))s; results in $OUT"
 publish

@@ -4,11 +4,11 @@
     python scripts/gpu/summarize.py WORKDIR [--out DIR] > summary.json
     python scripts/gpu/summarize.py WORKDIR --record NAME --rc RC --seconds S --bound B [FILE]
 
-Reads ``WORKDIR/logs``: ``ours-dflash.json``, ``ours-eagle3.json`` (or one ``ours.json``) and
+Reads ``WORKDIR/logs``: ``ours-dflash.json``, ``ours-eagle3.json``, ``ours-dspark.json`` (or one ``ours.json``) and
 ``ours-compiled-*.json`` (bench_train.py's last complete JSON line, eager and ``--compile on``;
 a part cut by its bound leaves the line of what it finished), ``peer/results.jsonl`` (the peer's bench, one object per model),
 ``train-metrics.jsonl`` (spectrain train's per-step records; the first two steps are warm-up and
-not counted), ``serve.json``, ``loader.json`` and ``online.json`` (the data path benchmarks), and
+not counted), ``serve.json``, ``vllm.json`` (bench_vllm_parity.py), ``loader.json`` and ``online.json`` (the data path benchmarks), and
 ``parts.jsonl`` (how each part of run_all.sh ended: ``parts``). Missing parts are null; the ratios
 are ours / the peer's from the same run, and compiled / eager for ``*_compile_speedup``.
 
@@ -66,20 +66,21 @@ def _merged(paths: list[Path]) -> dict:
     return out
 
 
+MODELS = ("dflash", "eagle3", "dspark")
+
+
 def _ratio(a, b) -> float | None:
     return round(a / b, 3) if isinstance(a, int | float) and isinstance(b, int | float) and b else None
 
 
 def summarize(work: Path) -> dict:
     logs = work / "logs"
-    ours = _merged([logs / "ours.json", *(logs / f"ours-{m}.json" for m in ("dflash", "eagle3"))])
-    compiled = _merged(
-        [logs / "ours-compiled.json", *(logs / f"ours-compiled-{m}.json" for m in ("dflash", "eagle3"))]
-    )
+    ours = _merged([logs / "ours.json", *(logs / f"ours-{m}.json" for m in MODELS)])
+    compiled = _merged([logs / "ours-compiled.json", *(logs / f"ours-compiled-{m}.json" for m in MODELS)])
     peer = {r.get("model"): r for r in _jsonl(logs / "peer" / "results.jsonl")}
     out: dict = {"device": ours.get("device") or compiled.get("device"), "ours": ours or None,
                  "ours_compiled": compiled or None, "peer": {}}  # fmt: skip
-    for name in ("dflash", "eagle3"):
+    for name in MODELS:  # the peer's benchmark times DFlash and Eagle3: DSpark's peer figures stay None
         p = peer.get(name) or {}
         out["peer"][name] = {k: p.get(k) for k in ("ok", "step_s_median", "tokens_per_s", "tflops_achieved",
                                                    "peak_mem_alloc_gib", "error") if k in p} or None  # fmt: skip
@@ -106,6 +107,7 @@ def summarize(work: Path) -> dict:
         if timed else None,
     }  # fmt: skip
     out["serve"] = _last_json(logs / "serve.json")
+    out["vllm"] = _last_json(logs / "vllm.json")  # served acceptance against spectrain eval (DSpark included)
     loader = _last_json(logs / "loader.json") or {}
     online = _last_json(logs / "online.json") or {}
     out["data_path"] = {
