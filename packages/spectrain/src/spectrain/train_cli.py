@@ -374,11 +374,7 @@ TRAIN_SECTIONS: dict[str, tuple[str, ...]] = {
     type=int,
     help="Samples scanned for draft-vocabulary token counts (default 10000).",
 )
-@click.option(
-    "--block-size",
-    type=int,
-    help="DFlash, DSpark: tokens per block incl. the anchor (default 16 for dflash, 8 for dspark).",
-)
+@click.option("--block-size", type=int, help="Tokens per block incl. the anchor (dflash 16, dspark 8).")
 @click.option("--max-anchors", type=int, help="DFlash: most anchors per packed sequence (default 512).")
 @click.option("--num-layers", type=int, help="Draft decoder layers (DFlash default 5; Eagle3 is 1).")
 @click.option(
