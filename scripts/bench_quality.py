@@ -34,6 +34,7 @@ The target is built by ``quality_target.py``, the sizes are in ``quality_sizes.p
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -45,6 +46,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from quality_inputs import KERNELS, build_differences, environment, input_hashes, pin_kernels  # noqa: E402
 from quality_sizes import SIZES, SPECULATORS_RECIPE, draft_layers  # noqa: E402
 from quality_steps import (  # noqa: E402
     evaluate_draft,
@@ -53,7 +55,7 @@ from quality_steps import (  # noqa: E402
     make_prompts,
     train_draft,
 )
-from quality_target import ensure_target  # noqa: E402
+from quality_target import TargetError, TargetSpec, ensure_target, target_facts  # noqa: E402
 
 log = logging.getLogger("bench_quality")
 
@@ -79,6 +81,20 @@ def main(argv: list[str] | None = None) -> int:
         type=Path,
         default=None,
         help="Where trained targets are kept (default: $HSGEN_CACHE/bench-quality).",
+    )
+    parser.add_argument(
+        "--target",
+        type=Path,
+        default=None,
+        help="Use this built target (a directory bench_quality.py built: its bench_target.json and the "
+        "weights it records) instead of the cache's; the size's data and drafts around it.",
+    )
+    parser.add_argument(
+        "--kernels",
+        choices=sorted(KERNELS),
+        default="avx2",
+        help="CPU code paths of every step: avx2 (the same bits on any x86-64 CPU with AVX2) or native "
+        "(AVX-512/AMX where the CPU has them: faster, other bits).",
     )
     parser.add_argument(
         "--work",
@@ -117,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
+    if not (args.device or "").startswith("cuda"):
+        pin_kernels(args.kernels)
 
     import torch
 
@@ -135,7 +153,18 @@ def main(argv: list[str] | None = None) -> int:
     timings: dict[str, float] = {}
     try:
         t0 = time.perf_counter()
-        target = ensure_target(cache, size.target, device)
+        target = args.target or ensure_target(cache, size.target, device)
+        try:
+            facts = target_facts(target)
+        except TargetError as e:
+            raise SystemExit(f"--target: {e}") from None
+        if TargetSpec(**facts["spec"]) != size.target:
+            log.info(
+                "target: %s is not the %s size's target; the size's data and drafts around it",
+                target,
+                size_name,
+            )
+            size = dataclasses.replace(size, target=TargetSpec(**facts["spec"]))
         timings["target"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         train_jsonl, eval_jsonl = make_prompts(target, size, work, device)
@@ -167,10 +196,18 @@ def main(argv: list[str] | None = None) -> int:
             results[name] = evaluate_draft(path, target, eval_jsonl, size, device)
             timings[f"eval_{name}"] = time.perf_counter() - t0
         timings["total"] = time.perf_counter() - t_start
-        facts = json.loads((target / "bench_target.json").read_text())
+        hashes = input_hashes(facts, train_jsonl, eval_jsonl)
+        env = environment(device)
+        elsewhere = build_differences(facts.get("built_with", {}), env)
+        if elsewhere:
+            log.warning("target: built under another environment than this one: %s", elsewhere)
         details = {
             "size": size_name,
             "device": device,
+            "inputs": hashes,
+            "environment": env,
+            "target_built_elsewhere": elsewhere,
+            "target_dir": str(target),
             "target": facts,
             "layers": {
                 "dflash": dflash_aux,
@@ -215,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
             final = {"draft": args.only, "tag": args.tag, "train_args": args.train_args, "tau": round(r["tau"], 4),
                      "acceptance_rate": [round(x, 3) for x in r["acceptance_rate"]],
                      "train_gflop": round(t.get("train_flops", 0.0) / 1e9, 1), "step_time_s": t.get("step_time_s"),
-                     "train_seconds": t.get("train_seconds"), "exact_match": exact}  # fmt: skip
+                     "train_seconds": t.get("train_seconds"), "exact_match": exact, **hashes}  # fmt: skip
         else:
             final = {
                 "tau_dflash": round(results["dflash"]["tau"], 4),
@@ -223,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
                 "tau_eagle3": round(results["eagle3"]["tau"], 4),
                 "tau_baseline": round(results["baseline"]["tau"], 4),
                 "exact_match": exact,
+                **hashes,
             }
         print(json.dumps(final))
         return 0 if final["exact_match"] else 1

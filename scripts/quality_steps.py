@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+from quality_inputs import reproducible
 from quality_sizes import BenchSize
 from quality_target import is_held_out, stdlib_files
 
@@ -28,7 +29,8 @@ log = logging.getLogger("bench_quality")
 
 def make_prompts(target: Path, size: BenchSize, work: Path, device: str, seed: int = 0) -> tuple[Path, Path]:
     """Write ``train.jsonl`` (prompt + the target's greedy continuation, loss mask on the
-    continuation) and ``eval.jsonl`` (held-out prompts) under ``work``."""
+    continuation) and ``eval.jsonl`` (held-out prompts) under ``work``: windows drawn by ``seed``,
+    continuations computed :func:`quality_inputs.reproducible` (the same bits on every run)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -55,24 +57,9 @@ def make_prompts(target: Path, size: BenchSize, work: Path, device: str, seed: i
     train_w = windows([f for f in files if not is_held_out(f[0])], size.num_train_prompts, "train")
     eval_w = windows([f for f in files if is_held_out(f[0])], size.num_eval_prompts, "eval")
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).to(device).eval()
-    rows = []
     t0 = time.perf_counter()
-    bs = 64
-    for i in range(0, len(train_w), bs):
-        chunk = train_w[i : i + bs]
-        x = torch.tensor([ids for _, ids in chunk], device=device)
-        with torch.no_grad():
-            y = model.generate(
-                input_ids=x,
-                attention_mask=torch.ones_like(x),
-                max_new_tokens=size.continuation_tokens,
-                min_new_tokens=size.continuation_tokens,
-                do_sample=False,
-                pad_token_id=tokenizer.pad_token_id,
-            )
-        for (sid, ids), full in zip(chunk, y.tolist(), strict=True):
-            cont = full[len(ids) :]
-            rows.append({"id": sid, "input_ids": ids + cont, "loss_mask": [0] * len(ids) + [1] * len(cont)})
+    with reproducible(device):
+        rows = _continue(model, tokenizer, train_w, size.continuation_tokens, device)
     log.info(
         "data: %d training prompts continued by the target in %.0fs", len(rows), time.perf_counter() - t0
     )
@@ -82,6 +69,30 @@ def make_prompts(target: Path, size: BenchSize, work: Path, device: str, seed: i
     with open(eval_path, "w") as f:
         f.writelines(json.dumps({"id": sid, "input_ids": ids}) + "\n" for sid, ids in eval_w)
     return train_path, eval_path
+
+
+def _continue(model, tokenizer, windows: list[tuple[str, list[int]]], new_tokens: int, device: str,
+              bs: int = 64) -> list[dict]:  # fmt: skip
+    """Each window continued greedily by the target for ``new_tokens`` (a row with its loss mask)."""
+    import torch
+
+    rows = []
+    for i in range(0, len(windows), bs):
+        chunk = windows[i : i + bs]
+        x = torch.tensor([ids for _, ids in chunk], device=device)
+        with torch.no_grad():
+            y = model.generate(
+                input_ids=x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        for (sid, ids), full in zip(chunk, y.tolist(), strict=True):
+            cont = full[len(ids) :]
+            rows.append({"id": sid, "input_ids": ids + cont, "loss_mask": [0] * len(ids) + [1] * len(cont)})
+    return rows
 
 
 # --------------------------------------------------------------------------- commands

@@ -24,10 +24,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from quality_inputs import build_key_digest, environment, reproducible, sha256_file
+
 log = logging.getLogger("bench_quality")
 
-BENCH_VERSION = 1
-"""Bump when a change must invalidate cached targets."""
+BENCH_VERSION = 2
+"""Bump when a change must invalidate cached targets (2: built reproducibly, weights hashed)."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,15 @@ def stdlib_files(share: int = 1) -> list[tuple[str, str]]:
     return out
 
 
+def corpus_sha256(files: list[tuple[str, str]]) -> str:
+    """sha256 of the corpus a target is built on (each file's path and text, in order)."""
+    h = hashlib.sha256()
+    for rel, text in files:
+        h.update(f"{rel}\0{len(text)}\0".encode())
+        h.update(text.encode())
+    return h.hexdigest()
+
+
 def is_held_out(rel: str) -> bool:
     """5% of the files, chosen by a hash of the path: never trained on, by the target or the drafts."""
     return int(hashlib.sha1(rel.encode()).hexdigest(), 16) % 20 == 0
@@ -91,21 +102,60 @@ def is_held_out(rel: str) -> bool:
 # --------------------------------------------------------------------------- the target
 
 
+class TargetError(Exception):
+    """A target directory that cannot be used as it is (one line naming the file and what is wrong)."""
+
+
+def target_facts(target: Path) -> dict:
+    """The record of a built target (``bench_target.json``) after checking that its weights are the
+    ones recorded: raises :class:`TargetError` naming the file when the record is missing, has no
+    weights hash (built before hashes were recorded) or the weights' sha256 differs from it."""
+    record = target / "bench_target.json"
+    weights = target / "model.safetensors"
+    if not record.is_file():
+        raise TargetError(f"{record}: missing (not a target built by bench_quality.py)")
+    facts = json.loads(record.read_text())
+    want = facts.get("weights_sha256")
+    if not want:
+        raise TargetError(f"{record}: no weights_sha256 (built before targets recorded their hashes)")
+    if not weights.is_file():
+        raise TargetError(f"{weights}: missing")
+    have = sha256_file(weights)
+    if have != want:
+        raise TargetError(
+            f"{weights}: sha256 {have[:16]} is not the {want[:16]} its bench_target.json records"
+        )
+    return facts
+
+
 def ensure_target(cache: Path, spec: TargetSpec, device: str) -> Path:
-    """The trained target directory for ``spec`` (trained and cached on first use)."""
-    target = cache / f"target-{spec.fingerprint()}"
-    if (target / "bench_target.json").is_file():
-        log.info("target: cached %s", target)
-        return target
+    """The trained target directory for ``spec`` (trained and cached on first use).
+
+    The directory is ``target-<spec fingerprint>-<build key>``: the key names the library versions
+    and kernel set (:func:`quality_inputs.build_key`), so a target another environment built is
+    another directory, never taken for this one's. A cached target is used only when its weights
+    hash to what its record says; otherwise the mismatch is logged (one line: which file, which
+    hashes), the directory is moved aside to ``<name>.mismatch-<time>`` (kept, not deleted) and the
+    target is built anew."""
+    target = cache / f"target-{spec.fingerprint()}-{build_key_digest(environment(device))}"
+    if target.exists():
+        try:
+            target_facts(target)
+            log.info("target: cached %s (weights sha256 checked)", target)
+            return target
+        except TargetError as e:
+            aside = target.with_name(f"{target.name}.mismatch-{time.strftime('%Y%m%d-%H%M%S')}")
+            log.error("target: %s; moved to %s and building it anew", e, aside)
+            os.rename(target, aside)
     cache.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".building-", dir=cache))
     try:
         model_dir = staging / "model"
-        _build_and_train_target(model_dir, spec, device)
+        with reproducible(device) as settings:
+            _build_and_train_target(model_dir, spec, device, settings)
         with contextlib.suppress(OSError):
             os.rename(model_dir, target)
-        if not (target / "bench_target.json").is_file():
-            raise RuntimeError(f"could not move the trained target into {target}")
+        target_facts(target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
@@ -120,7 +170,7 @@ def _token_stream(tokenizer, files: list[tuple[str, str]]) -> list[int]:
     return ids
 
 
-def _build_and_train_target(model_dir: Path, spec: TargetSpec, device: str) -> None:
+def _build_and_train_target(model_dir: Path, spec: TargetSpec, device: str, settings: dict) -> None:
     import torch
     from tqdm import tqdm
     from transformers import AutoTokenizer, Qwen3ForCausalLM
@@ -197,10 +247,14 @@ def _build_and_train_target(model_dir: Path, spec: TargetSpec, device: str) -> N
         "python": sys.version.split()[0],
         "train_tokens_seen": spec.train_steps * spec.batch_size * spec.seq_len,
         "corpus_train_tokens": len(train_ids),
+        "corpus_sha256": corpus_sha256(files),
         "train_loss_ema": ema,
         "held_out_loss": held_loss,
         "train_seconds": train_s,
         "device": device,
+        "weights_sha256": sha256_file(model_dir / "model.safetensors"),
+        "tokenizer_sha256": sha256_file(model_dir / "tokenizer.json"),
+        "built_with": {**environment(device), **settings},
     }
     (model_dir / "bench_target.json").write_text(json.dumps(facts, indent=2) + "\n")
     log.info("target: trained in %.0fs, train loss %.3f, held-out loss %.3f", train_s, ema, held_loss)
