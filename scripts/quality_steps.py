@@ -236,7 +236,9 @@ def train_draft(algorithm: str, size: BenchSize, target: Path, store: Path, aux:
     checkpoint = save / (save / "latest").read_text().strip()
     out = work / f"draft-{suffix}"
     run(
-        spectrain_cmd("export", str(checkpoint), str(out), "--verifier-name", "bench/stdlib-target"),
+        # spectrain eval measures it: an ablation vLLM could not serve (rank 0, a gated head) is written too
+        spectrain_cmd("export", str(checkpoint), str(out), "--verifier-name", "bench/stdlib-target",
+                      "--allow-unservable"),
         "spectrain export",
         in_process=size.in_process,
     )

@@ -168,7 +168,10 @@ def mix_loss(
     else:
         dd = hidden.dtype
         td = target_head_weight.dtype if target_head_weight is not None else dd
-    rows = chunk_rows or default_chunk_rows(head_weight.shape[0], device_type=device_type)
+    # soft targets hold about five fp32 [rows, V] tensors at once (DFlash's loss three): half the rows
+    rows = chunk_rows or default_chunk_rows(head_weight.shape[0], device_type=device_type) // (
+        2 if mode == "soft" else 1
+    )
     rows = max(K, rows // K * K)
     plan = _Plan(device_type, dd, td, torch.promote_types(dd, torch.float32), tuple(sorted(mix.items())),
                  mode == "soft", rows, weighting, target_softcap)  # fmt: skip
