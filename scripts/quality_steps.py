@@ -235,13 +235,9 @@ def train_draft(algorithm: str, size: BenchSize, target: Path, store: Path, aux:
     summary.update(training_compute(save / "metrics.jsonl", int(summary.get("step") or 0)))
     checkpoint = save / (save / "latest").read_text().strip()
     out = work / f"draft-{suffix}"
-    run(
-        # spectrain eval measures it: an ablation vLLM could not serve (rank 0, a gated head) is written too
-        spectrain_cmd("export", str(checkpoint), str(out), "--verifier-name", "bench/stdlib-target",
-                      "--allow-unservable"),
-        "spectrain export",
-        in_process=size.in_process,
-    )
+    # spectrain eval measures it: an ablation vLLM could not serve (rank 0, a gated head) is written too
+    export = ["export", str(checkpoint), str(out), "--verifier-name", "bench/stdlib-target", "--allow-unservable"]  # fmt: skip
+    run(spectrain_cmd(*export), "spectrain export", in_process=size.in_process)
     return out, summary
 
 
