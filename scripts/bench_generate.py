@@ -8,7 +8,11 @@
    steady-state rate is read from the server's ``vllm:request_success_total`` counter.
 2. Ingest: a server whose files are ready at once (pre-written safetensors files in
    /dev/shm) is drained into a store on disk; hidden-state bytes landed per second are
-   compared with a raw copy of the same bytes from /dev/shm to the same disk (fsync'd).
+   compared with a raw copy of the same bytes from /dev/shm to the same disk (fsync'd), the two
+   interleaved (which goes first alternates per rep). Every rep is reported with the load
+   average, the first-touch speed of new memory after it (the VM's state: see
+   ``docs/benchmarks.md``) and hsgen's seconds per phase; ``ingest_ratio`` is the median of
+   the paired per-rep ratios.
 
 Progress goes to stderr; the last stdout line is JSON with ``saturation_min`` (over the
 capacities, the smallest share of the server's step capacity hsgen's default kept in use: busy
@@ -298,8 +302,9 @@ def raw_copy(shared: Path, dest: Path) -> tuple[int, float]:
     return total, time.perf_counter() - t0
 
 
-def hsgen_ingest(url: str, shared: Path, dest: Path, prompts, hidden: int) -> float:
-    """Seconds for ``generate`` to land every prompt's ready file in a fresh store at ``dest``."""
+def hsgen_ingest(url: str, shared: Path, dest: Path, prompts, hidden: int) -> tuple[float, dict]:
+    """Seconds for ``generate`` to land every prompt's ready file in a fresh store at ``dest``, and
+    the run's seconds per phase (summed over threads; ``queue`` sums every sample's wait)."""
     store = HiddenStateStore.create(dest, StoreHeader("ready", (1, 2, 3, 4), hidden, "float16"))
     cfg = GenerateConfig(
         client=ClientConfig([url], shared_dir=str(shared), delete_files=False), shard_bytes=256 << 20
@@ -308,11 +313,31 @@ def hsgen_ingest(url: str, shared: Path, dest: Path, prompts, hidden: int) -> fl
     summary = asyncio.run(generate(cfg, prompts, store, progress=False))
     dt = time.perf_counter() - t0
     check_ran(summary, "ingest", expect_all=len(prompts))
-    return dt
+    return dt, summary.phases
 
 
-def bench_ingest(workdir: Path, quick: bool, reps: int = 3) -> dict:
-    """Raw copy and hsgen ingest of the same files, interleaved ``reps`` times; medians compared."""
+def fresh_touch_gbps(nbytes: int = 256 << 20) -> float:
+    """GB/s of a first touch of ``nbytes`` of new memory: the machine's state, not hsgen's. On a VM
+    that returns freed memory to its host (free page reporting) this swings 5-20x with what the
+    host has reclaimed, and so does anything that fills new page cache, a raw copy included."""
+    import mmap
+
+    m = mmap.mmap(-1, nbytes)
+    t0 = time.perf_counter()
+    np.frombuffer(m, dtype=np.uint8)[:: mmap.PAGESIZE] = 1
+    dt = time.perf_counter() - t0
+    m.close()
+    return nbytes / dt / 1e9
+
+
+def _spread(xs: list[float]) -> dict:
+    return {"reps": [round(x, 3) for x in xs], "median": round(statistics.median(xs), 3),
+            "min": round(min(xs), 3), "max": round(max(xs), 3), "spread": round(max(xs) / min(xs), 2)}  # fmt: skip
+
+
+def bench_ingest(workdir: Path, quick: bool, reps: int = 5) -> dict:
+    """Raw copy and hsgen ingest of the same files, interleaved ``reps`` times (which goes first
+    alternates); every rep, the paired ratio, the spread, the load and the phases are reported."""
     tokens, layers, hidden = 2048, 4, 1024  # 16 MiB of float16 hidden states per sample
     n = 32 if quick else 160
     shared = Path("/dev/shm") / f"hsgen-ingest-{uuid.uuid4().hex[:8]}"
@@ -323,23 +348,43 @@ def bench_ingest(workdir: Path, quick: bool, reps: int = 3) -> dict:
         hs_bytes = n * tokens * layers * hidden * 2
         server = ReadyServer(files)
         url = server.start()
-        raw_rates, hsgen_rates = [], []
+        raw_rates, hsgen_rates, loads, touch, phases = [], [], [], [], []
         for rep in range(reps):
-            total, dt = raw_copy(shared, workdir / "rawcopy")
-            shutil.rmtree(workdir / "rawcopy")
-            raw_rates.append(total / dt / 1e9)
-            dt = hsgen_ingest(url, shared, workdir / "ingest", prompts, hidden)
-            shutil.rmtree(workdir / "ingest")
-            hsgen_rates.append(hs_bytes / dt / 1e9)
+            load = os.getloadavg()[0]
+            order = ("raw", "hsgen") if rep % 2 == 0 else ("hsgen", "raw")
+            for which in order:
+                if which == "raw":
+                    total, dt = raw_copy(shared, workdir / "rawcopy")
+                    shutil.rmtree(workdir / "rawcopy")
+                    raw_rates.append(total / dt / 1e9)
+                else:
+                    dt, ph = hsgen_ingest(url, shared, workdir / "ingest", prompts, hidden)
+                    shutil.rmtree(workdir / "ingest")
+                    hsgen_rates.append(hs_bytes / dt / 1e9)
+                    phases.append({"wall": round(dt, 3), **ph})
+            loads.append(round((load + os.getloadavg()[0]) / 2, 2))
+            touch.append(fresh_touch_gbps())
             log(
-                f"ingest rep {rep}: raw copy {raw_rates[-1]:.3f} GB/s, hsgen landed {hsgen_rates[-1]:.3f} GB/s"
+                f"ingest rep {rep} ({' then '.join(order)}): raw copy {raw_rates[-1]:.3f} GB/s, hsgen landed "
+                f"{hsgen_rates[-1]:.3f} GB/s (ratio {hsgen_rates[-1] / raw_rates[-1]:.2f}), load {loads[-1]}, "
+                f"fresh memory {touch[-1]:.2f} GB/s; phases {json.dumps(phases[-1])}"
             )
+        ratios = [h / r for h, r in zip(hsgen_rates, raw_rates, strict=True)]
         raw_gbps, gbps = statistics.median(raw_rates), statistics.median(hsgen_rates)
-        log(f"ingest: median raw copy /dev/shm -> disk {raw_gbps:.3f} GB/s, hsgen {gbps:.3f} GB/s")
+        log(f"ingest: median raw copy /dev/shm -> disk {raw_gbps:.3f} GB/s, hsgen {gbps:.3f} GB/s, "
+            f"paired ratio median {statistics.median(ratios):.2f} (min {min(ratios):.2f})")  # fmt: skip
         return {
             "ingest_gbps": round(gbps, 3),
             "raw_copy_gbps": round(raw_gbps, 3),
-            "ingest_ratio": round(gbps / raw_gbps, 3),
+            "ingest_ratio": round(statistics.median(ratios), 3),
+            "ingest": {
+                "hsgen_gbps": _spread(hsgen_rates),
+                "raw_copy_gbps": _spread(raw_rates),
+                "paired_ratio": _spread(ratios),
+                "load": loads,
+                "fresh_memory_touch_gbps": [round(x, 2) for x in touch],
+                "phases_s": phases,
+            },
         }
     finally:
         if server is not None:
@@ -378,7 +423,7 @@ def main() -> None:
             out["saturation_min"] = min(r["hsgen_default_utilisation"] for r in rows)
             out["throughput_min"] = min(r["hsgen_default"] for r in rows)
         if not args.skip_ingest:
-            out.update(bench_ingest(workdir, args.quick, reps=3 if args.quick else 5))
+            out.update(bench_ingest(workdir, args.quick, reps=5 if args.quick else 9))
     except NotMeasured as e:
         log(f"bench_generate: not measured: {e}")
         sys.exit(1)

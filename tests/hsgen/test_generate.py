@@ -83,6 +83,25 @@ async def test_generate_then_resume(tmp_path):
     assert os.listdir(shared) == []
 
 
+async def test_rows_are_landed_from_the_servers_file_and_the_time_accounted(tmp_path):
+    """Issue 33: the client leaves the rows in the server's (unlinked) file and the writer copies
+    them into the shard, checking them as they pass; the summary says where the time went."""
+    from hsgen.hidden_file import _OpenFile
+
+    shared = tmp_path / "shm"
+    store = make_store(tmp_path / "store")
+    ps = prompts(30)
+    nan = {ps[4].token_ids[0]: "nan"}
+    async with FakeVLLM(FakeConfig(str(shared), fault_by_first_token=nan)) as url:
+        s = await generate(gen_cfg(url, shared, shard_bytes=4096), ps, store, progress=False)
+    assert (s.stored, s.failed, s.failure_reasons) == (29, 1, {"non_finite": 1})
+    check_store(store, [p for p in ps if p is not ps[4]])
+    assert {"read", "check_finite", "checksum", "write", "fsync_files", "manifest", "validate"} <= set(
+        s.phases
+    )
+    assert _OpenFile.held == 0 and os.listdir(shared) == []  # every server file released and removed
+
+
 async def test_rank_split_is_deterministic_and_complete(tmp_path):
     shared = tmp_path / "shm"
     store = make_store(tmp_path / "store")

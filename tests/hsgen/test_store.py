@@ -394,7 +394,7 @@ def test_reading_a_sample_reads_about_its_bytes(tmp_path):
     assert sample_bytes <= used <= sample_bytes + 4096, used
 
 
-def test_background_commit_overlaps_and_errors_keep_samples(tmp_path):
+def test_background_commit_overlaps_and_a_failed_one_loses_only_its_shard(tmp_path):
     store = HiddenStateStore.create(tmp_path / "s", HEADER)
     w = store.writer("bg", shard_bytes=10 * HEADER.row_bytes)
     samples = [make_sample(HEADER, f"b{i}", 6) for i in range(6)]
@@ -403,20 +403,83 @@ def test_background_commit_overlaps_and_errors_keep_samples(tmp_path):
     assert w.pending == 3 or len(store) > 0
     assert w.flush() and w.pending == 0
     assert [store.read(s.sample_id).sample_id for s in samples[:3]] == ["b0", "b1", "b2"]
-    shutil.rmtree(tmp_path / "s" / "shards" / "bg")
     w.add("b3", samples[3].hidden_states, samples[3].token_ids, samples[3].loss_mask)
-    w.add(
-        "b4", samples[4].hidden_states, samples[4].token_ids, samples[4].loss_mask
-    )  # b3 goes to the background
+    (temp,) = (tmp_path / "s" / "shards" / "bg").glob("*.tmp-*")
+    shutil.rmtree(temp)  # the shard being filled is damaged: its seal fails in the background
+    w.add("b4", samples[4].hidden_states, samples[4].token_ids, samples[4].loss_mask)  # b3's shard seals
     with pytest.raises(OSError):  # the failed background commit surfaces here; b5 is not added
         w.add("b5", samples[5].hidden_states, samples[5].token_ids, samples[5].loss_mask)
-    assert w.pending == 2 and not any(s.sample_id in store for s in samples[3:])
-    (tmp_path / "s" / "shards" / "bg").mkdir()
+    assert w.lost == 1 and w.pending == 1 and "b3" not in store
     w.add("b5", samples[5].hidden_states, samples[5].token_ids, samples[5].loss_mask)
-    assert {r.sample_id for r in w.flush()} == {"b3", "b4", "b5"}
+    assert {r.sample_id for r in w.flush()} == {"b4", "b5"}
     w.close()
-    for s in samples[3:]:
+    for s in samples[4:]:
         assert_same(store.read(s.sample_id), s)
+    assert "b3" not in store and store.verify() == []
+
+
+def test_a_rejected_sample_leaves_nothing_and_the_shard_goes_on(tmp_path):
+    from hsgen.store.errors import SampleRejected
+
+    store = HiddenStateStore.create(tmp_path / "s", HEADER)
+    good = [make_sample(HEADER, f"g{i}", 5 + i) for i in range(3)]
+    bad = make_sample(HEADER, "nan", 9)
+    hidden = bad.hidden_states.copy()
+    hidden[7, 1, 3] = 0x7FC0  # bfloat16 NaN
+    with store.writer("w") as w:
+        w.add(good[0].sample_id, good[0].hidden_states, good[0].token_ids, check_finite=True)
+        w.add("nan0", hidden, bad.token_ids)  # not asked to check: stored as it is
+        with pytest.raises(SampleRejected, match="'nan': hidden states contain NaN"):
+            w.add("nan", hidden, bad.token_ids, check_finite=True)
+        for s in good[1:]:
+            w.add(s.sample_id, s.hidden_states, s.token_ids, check_finite=True)
+    store = HiddenStateStore.open(tmp_path / "s")
+    assert sorted(store.sample_ids()) == ["g0", "g1", "g2", "nan0"] and store.verify() == [
+        f"{store.path}/{store.record('nan0').shard}: sample 'nan0': 1 hidden-state values are not finite (NaN or "
+        "inf) under a valid checksum"
+    ]
+    for s in good:
+        np.testing.assert_array_equal(store.read(s.sample_id).hidden_states, s.hidden_states)
+
+
+@pytest.mark.parametrize("codec", ["raw", "fp8", "lz4"])
+def test_rows_left_in_their_file_are_stored_as_the_same_rows_in_memory(tmp_path, codec):
+    """A sample added from the server's file (``FileRows``, read in pieces as it is written) is
+    stored byte for byte as the same sample added from memory; a file cut short is rejected."""
+    from hsgen.hidden_file import read_hidden_states_fd
+    from hsgen.store.errors import SampleRejected
+    from hsgen.store.shard_builder import PIECE_BYTES
+
+    h = header(codec=codec, hidden_size=1024)
+    sample = make_sample(h, "big", 3 * PIECE_BYTES // h.row_bytes + 5)  # several pieces
+    path = tmp_path / "f.safetensors"
+    from hsgen import protocol
+
+    head, _ = protocol.safetensors_header_bytes(
+        [
+            ("hidden_states", "bfloat16", sample.hidden_states.shape),
+            ("token_ids", "int64", sample.token_ids.shape),
+        ]
+    )
+    path.write_bytes(head + sample.hidden_states.tobytes() + sample.token_ids.astype("<i8").tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        rows, _ids, _ = read_hidden_states_fd(fd, rows_in_file=True)
+        assert not isinstance(rows, np.ndarray)
+        a = HiddenStateStore.create(tmp_path / "file", h)
+        b = HiddenStateStore.create(tmp_path / "memory", h)
+        with a.writer("w") as wa, b.writer("w") as wb:
+            wa.add("big", rows, sample.token_ids, sample.loss_mask, check_finite=True)
+            wb.add("big", sample.hidden_states, sample.token_ids, sample.loss_mask, check_finite=True)
+        assert a.record("big").checksum == b.record("big").checksum
+        assert_same(a.read("big"), b.read("big"))
+        os.truncate(path, len(head) + sample.hidden_states.nbytes // 2)
+        with a.writer("w2") as w, pytest.raises(SampleRejected, match="cannot be read"):
+            w.add("cut", rows, sample.token_ids, sample.loss_mask)
+    finally:
+        rows.close()
+        os.close(fd)
+    assert "cut" not in HiddenStateStore.open(tmp_path / "file") and a.verify() == []
 
 
 def test_checksum_follows_the_store_format_version(tmp_path):
@@ -445,3 +508,51 @@ def test_checksum_follows_the_store_format_version(tmp_path):
         data[9] ^= 1
         shard.write_bytes(bytes(data))
         assert any("checksum" in p for p in HiddenStateStore.open(tmp_path / f"v{version}").verify())
+
+
+@pytest.mark.parametrize("where", ["disk", "tmpfs"])
+def test_a_rejected_sample_is_rolled_back_across_written_blocks(tmp_path, where):
+    """A sample rejected after some of its blocks were written (``O_DIRECT`` on disk, ordinary
+    writes on tmpfs) leaves the shard exactly as before it: the samples around it read back."""
+    import tempfile
+
+    from hsgen.store.errors import SampleRejected
+    from hsgen.store.shard_builder import BLOCK_BYTES
+
+    base = Path(tempfile.mkdtemp(dir="/dev/shm")) if where == "tmpfs" else tmp_path
+    try:
+        h = header(hidden_size=1024)
+        store = HiddenStateStore.create(base / "s", h)
+        a, c = make_sample(h, "a", 100), make_sample(h, "c", 50)
+        big = make_sample(h, "big", 3 * BLOCK_BYTES // h.row_bytes)
+        hidden = big.hidden_states.copy()
+        hidden[-10, 0, 0] = 0x7F80  # bfloat16 inf, in the third block
+        with store.writer("w", shard_bytes=1 << 30) as w:
+            w.add("a", a.hidden_states, a.token_ids, a.loss_mask, check_finite=True)
+            with pytest.raises(SampleRejected):
+                w.add("big", hidden, big.token_ids, big.loss_mask, check_finite=True)
+            w.add("c", c.hidden_states, c.token_ids, c.loss_mask, check_finite=True)
+        store = HiddenStateStore.open(base / "s")
+        assert store.sample_ids() == ["a", "c"] and store.verify() == []
+        assert_same(store.read("a"), a)
+        assert_same(store.read("c"), c)
+    finally:
+        if where == "tmpfs":
+            shutil.rmtree(base)
+
+
+@pytest.mark.parametrize("algorithm", ["xxh3", "bsum64", "crc32"])
+def test_a_checksum_fed_in_any_pieces_is_the_checksum_of_the_whole(algorithm):
+    from hsgen.store import codecs as C
+
+    rng = np.random.default_rng(5)
+    arrays = [rng.integers(0, 255, n, dtype=np.uint8) for n in (3 * 4096 + 17, 4096, 5, 0, 70001)]
+    want = C.checksum(arrays, algorithm)
+    for _ in range(20):
+        s = C.ChecksumStream(algorithm)
+        for a in arrays:
+            s.begin(a.nbytes)
+            cuts = sorted(rng.integers(0, a.nbytes + 1, rng.integers(0, 6)))
+            for lo, hi in zip([0, *cuts], [*cuts, a.nbytes], strict=True):
+                s.update(memoryview(a[lo:hi]))
+        assert s.hexdigest() == want

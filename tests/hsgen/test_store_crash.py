@@ -137,7 +137,9 @@ def test_kill_9_at_each_commit_step(tmp_path, point):
         "shard_renamed": "removed_uncommitted",
         "manifest_torn": "removed_uncommitted",
     }
-    assert leftovers[expected[point]] == 1
+    # the shard being filled next may have its temp directory already (rows land as they are added)
+    assert leftovers[expected[point]] == 1 or (point == "shard_written" and leftovers["removed_temp"] == 2)
+    assert leftovers["removed_temp"] <= 2
     if point == "manifest_torn":
         assert not (path / "manifests" / "w.jsonl").read_bytes().endswith(b"\n")
     finish(spawn(path, "w", 30, 60))

@@ -49,6 +49,7 @@ from hsgen.hidden_file import (
     read_hidden_states_file,
     remove_misplaced,
 )
+from hsgen.phases import PhaseTimes
 from hsgen.prompt_logprobs import parse_target_ids
 from hsgen.render import RenderedPrompt
 from hsgen.shared_dir import SharedDir, UnsafePath
@@ -80,6 +81,7 @@ class HiddenStateClient:
         """Tasks waiting for a completion's answer (the ``--max-down`` watchdog's charges)."""
         self._cut_off: set[asyncio.Task] = set()
         self._watchdog: asyncio.Task | None = None
+        self.phases: PhaseTimes | None = None  # the file step's seconds (``validate``)
 
     async def __aenter__(self) -> HiddenStateClient:
         import aiohttp
@@ -104,7 +106,7 @@ class HiddenStateClient:
             c.rows_in_file,
             (c.expected or ExpectedStates()).merged(c.expect_layers, c.expect_hidden_size, c.expect_dtype),
         )
-        self._files = HiddenFileReader(self.shared, wait, self._pool)
+        self._files = HiddenFileReader(self.shared, wait, self._pool, self.phases)
         self._last_alive = time.monotonic()
         return self
 
@@ -124,9 +126,7 @@ class HiddenStateClient:
         self.shared.close()
 
     def expect(self, expected: ExpectedStates) -> None:
-        """From now on check every file's header against ``expected`` (the figures the config
-        states outright still win): a new store's shape once the served model or the first
-        sample told more of it."""
+        """Check every later file's header against ``expected`` (the config's own figures win)."""
         c = self.config
         merged = expected.merged(c.expect_layers, c.expect_hidden_size, c.expect_dtype)
         self.config = dataclasses.replace(c, expected=merged)
@@ -465,6 +465,7 @@ class HiddenStateClient:
             dtype=dtype,
             endpoint=url,
             target_ids=targets,
+            source=prompt.source,
         )
 
     def _targets(self, result: protocol.ExtractionResult, url: str) -> np.ndarray | None:

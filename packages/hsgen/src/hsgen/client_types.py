@@ -149,6 +149,7 @@ class FetchedSample:
         attempts: requests it took (1 = first try).
         target_ids: ``[T]`` int32, the verifier's greedy next token after each position (only
             with ``ClientConfig.targets = "argmax"``).
+        source: the prompt's ``file:line`` (for a failure recorded after the fetch).
     """
 
     sample_id: str
@@ -160,6 +161,7 @@ class FetchedSample:
     latency_s: float = 0.0
     attempts: int = 1
     target_ids: np.ndarray | None = None
+    source: str = ""
 
     @property
     def nbytes(self) -> int:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from hsgen.client import ClientConfig, FatalError, FetchError, FetchStopped, HiddenStateClient
+from hsgen.phases import PhaseTimes
 from hsgen.prompt_filter import PromptFilter, iterate, rank_of
 from hsgen.render import RenderedPrompt, Skipped
 from hsgen.run_report import (
@@ -148,6 +150,8 @@ class _Run:
         self.report.on_write_error = lambda e: self.abort(
             f"cannot write the failures file: {describe_os_error(e)}"
         )
+        self.phases = PhaseTimes()
+        client, check_finite = _landing_client(config.client)
         self.sink = StoreSink(
             store,
             writer_id=config.writer_id,
@@ -157,6 +161,8 @@ class _Run:
             report=self.report,
             on_fatal=self.abort,
             on_created=lambda created: self.client.expect(expected_of(created)),
+            check_finite=check_finite,
+            phases=self.phases,
         )
         self.new_store = store if self.sink.store is None else None
         self.filter = PromptFilter(
@@ -166,7 +172,8 @@ class _Run:
             on_bad_input=config.on_bad_input,
             report=self.report,
         )
-        self.client = HiddenStateClient(with_expected(config.client, store))
+        self.client = HiddenStateClient(with_expected(client, store))
+        self.client.phases = self.phases
         self.sat = Saturator(
             config.saturation, list(self.client.endpoints), self.client.metrics, self.client.healthy
         )
@@ -202,6 +209,7 @@ class _Run:
             await self.sat.stop()
             if lease is not None:
                 lease.release()
+        self.report.summary.phases = self.phases.snapshot()
         return self.report.finish(interrupted)
 
     async def _count(self, count: Callable[[], int | None]) -> None:
@@ -418,6 +426,20 @@ class _Run:
         for t in pending:
             t.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
+
+
+def _landing_client(client: ClientConfig) -> tuple[ClientConfig, bool]:
+    """The client as the landing path wants it, and whether the writer checks finite values.
+
+    By default the server's rows stay in its file (``rows_in_file``, the name already removed)
+    until the writer copies them into the shard in pieces, checking and checksumming each piece
+    as it passes (:mod:`hsgen.store.shard_builder`): no sample is ever held whole in this
+    process's memory, so the finite check moves from the client to the writer. A client asked
+    to map files or to leave rows in files already is left as it is.
+    """
+    if client.map_files or client.rows_in_file:
+        return client, False
+    return dataclasses.replace(client, rows_in_file=True, check_finite=False), client.check_finite
 
 
 async def _heartbeat(lease: Lease) -> None:

@@ -24,6 +24,7 @@ import errno
 import json
 import mmap
 import os
+import threading
 import time
 from dataclasses import dataclass
 
@@ -31,14 +32,13 @@ import numpy as np
 
 from hsgen import protocol
 from hsgen.errors import FatalError, FetchError
+from hsgen.phases import PhaseTimes, timer
 from hsgen.render import RenderedPrompt
 from hsgen.shared_dir import SharedDir, UnsafePath, lock_held, remove_own_file
 from hsgen.store.fsutil import read_exact_into
 
 STORAGE_DTYPES = {"bfloat16": np.uint16, "float16": np.float16, "float32": np.float32}
 """Logical dtype -> numpy dtype the states are kept in (bf16 as raw uint16 bits, like the store)."""
-
-_EXPONENT_MASKS = {"bfloat16": 0x7F80, "float16": 0x7C00}
 
 MAX_HIDDEN_SIZE = 65536
 """The largest hidden size believed when nothing else says what it is (the largest models have
@@ -127,19 +127,23 @@ class WrongStates(Exception):
         self.fatal = fatal  # the server's shape or dtype (every file would be wrong), not this file's tokens
 
 
+_NONFINITE_FROM = {
+    "bfloat16": (np.int16, 0x7F80, np.uint16, 0xFF80),
+    "float16": (np.int16, 0x7C00, np.uint16, 0xFC00),
+    "float32": (np.int32, 0x7F800000, np.uint32, 0xFF800000),
+}
+"""Bit patterns from which on a value is inf or NaN, as (signed, unsigned) integers of its width:
+positive non-finite values are the largest signed ones, negative ones the largest unsigned ones."""
+
+
 def all_finite(a: np.ndarray, dtype: str, chunk: int = 1 << 20) -> bool:
-    """Whether every value of ``a`` (storage dtype) is finite; chunked to bound temporaries."""
+    """Whether every value of ``a`` (storage dtype, logical ``dtype``) is finite: two max
+    reductions over the bits per ``chunk`` values, no temporary array."""
+    signed, pos, unsigned, neg = _NONFINITE_FROM[dtype]
     flat = a.reshape(-1)
-    mask = _EXPONENT_MASKS.get(dtype)
-    if mask is None:
-        return all(np.isfinite(flat[i : i + chunk]).all() for i in range(0, flat.size, chunk))
-    bits = flat.view(np.uint16)
-    buf = np.empty(min(chunk, bits.size), dtype=np.uint16)
-    for i in range(0, bits.size, chunk):
-        part = bits[i : i + chunk]
-        out = buf[: part.size]
-        np.bitwise_and(part, mask, out=out)
-        if out.size and out.max() == mask:
+    for i in range(0, flat.size, chunk):
+        part = flat[i : i + chunk]
+        if int(part.view(signed).max()) >= pos or int(part.view(unsigned).max()) >= neg:
             return False
     return True
 
@@ -148,15 +152,29 @@ class NotReady(Exception):
     """The file is missing or shorter than its header says (a writer may still be busy)."""
 
 
+MAX_HELD_FILES = 256
+"""Server files held open at once for their rows (:class:`FileRows`): past it a file's rows are
+read at once instead, so many small samples in flight never take the descriptors that the store's
+own files and the connections need."""
+
+
 class _OpenFile:
     """A descriptor closed when the last :class:`FileRows` on it is closed or collected."""
 
+    held = 0
+    """Descriptors of this kind open in the process."""
+    _lock = threading.Lock()
+
     def __init__(self, fd: int):
         self.fd = fd
+        with _OpenFile._lock:
+            _OpenFile.held += 1
 
     def close(self) -> None:
         fd, self.fd = self.fd, -1
         if fd >= 0:
+            with _OpenFile._lock:
+                _OpenFile.held -= 1
             os.close(fd)
 
     def __del__(self) -> None:
@@ -221,6 +239,19 @@ class FileRows:
             if check is not None:
                 check(flat[lo // self.dtype.itemsize : (lo + len(piece)) // self.dtype.itemsize])
 
+    def read_range(self, out: memoryview, start: int) -> None:
+        """Read bytes ``[start, start + len(out))`` of the rows into ``out``.
+
+        Raises:
+            EOFError: the file is shorter than its header said.
+            ValueError: the file was closed.
+        """
+        if self._file.fd < 0:
+            raise ValueError("the file's rows were released")
+        if start + len(out) > self.nbytes:
+            raise ValueError(f"bytes {start}..{start + len(out)} are past the rows' {self.nbytes}")
+        read_exact_into(self._file.fd, out, self.offset + start)
+
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         out = np.empty(self.shape, dtype=self.dtype)
         self.read_into(out)
@@ -249,7 +280,8 @@ def read_hidden_states_fd(
     process with SIGBUS when they are touched). With ``rows_in_file`` the token ids are read and
     the hidden states are :class:`FileRows` on a duplicate of ``fd``: read later, once, straight
     into the consumer's buffer (a file truncated meanwhile gives a short read, an error, never a
-    SIGBUS). ``fd`` may be closed afterwards.
+    SIGBUS); past :data:`MAX_HELD_FILES` held at once they are read now instead. ``fd`` may be
+    closed afterwards.
 
     With ``tokens`` (the prompt's length), the header's token count must be that (or more with
     ``extra_tokens``: generated tokens, dropped) and only that many rows are read; with
@@ -292,7 +324,7 @@ def read_hidden_states_fd(
     if problem is not None:
         raise WrongStates(problem, fatal=True)
     storage = np.dtype(STORAGE_DTYPES[hs.dtype])
-    if rows_in_file:
+    if rows_in_file and _OpenFile.held < MAX_HELD_FILES:
         try:
             held = _OpenFile(os.dup(fd))
         except OSError as e:  # out of descriptors (many samples held): read this one now
@@ -373,10 +405,11 @@ class HiddenFileReader:
         pool: executor that reads and validates files (off the event loop).
     """
 
-    def __init__(self, shared: SharedDir, wait: FileWait, pool):
+    def __init__(self, shared: SharedDir, wait: FileWait, pool, phases: PhaseTimes | None = None):
         self.shared = shared
         self.wait = wait
         self.pool = pool
+        self.phases = phases
 
     async def wait_and_read(
         self, parts: list[str], prompt: RenderedPrompt, url: str
@@ -432,6 +465,12 @@ class HiddenFileReader:
             delay = min(delay * 1.5, 0.02)
 
     def _read_validate(
+        self, parts: list[str], prompt: RenderedPrompt
+    ) -> tuple[np.ndarray | FileRows, np.ndarray, str]:
+        with timer(self.phases, "validate"):
+            return self._read_validate_timed(parts, prompt)
+
+    def _read_validate_timed(
         self, parts: list[str], prompt: RenderedPrompt
     ) -> tuple[np.ndarray | FileRows, np.ndarray, str]:
         path = self.shared.show(parts)
@@ -496,6 +535,7 @@ async def remove_misplaced(path: str, request_id: str, wait_s: float) -> None:
 
 __all__ = [
     "MAX_HEADER_BYTES",
+    "MAX_HELD_FILES",
     "MAX_HIDDEN_SIZE",
     "STORAGE_DTYPES",
     "ExpectedStates",

@@ -56,6 +56,8 @@ class GenerateSummary:
     store: str = ""
     failures_file: str | None = None
     endpoints: dict[str, Any] = field(default_factory=dict)
+    phases: dict[str, float] = field(default_factory=dict)
+    """Seconds per phase of the landing path, summed over threads (:mod:`hsgen.phases`)."""
 
     @property
     def exit_code(self) -> int:

@@ -22,7 +22,9 @@ from typing import Any
 
 from hsgen.client import ClientConfig, FetchedSample
 from hsgen.hidden_file import ExpectedStates
+from hsgen.phases import PhaseTimes
 from hsgen.run_report import RunReport
+from hsgen.store.errors import SampleRejected
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +106,9 @@ class StoreSink:
         on_fatal: called with a message when the store cannot take more samples.
         on_created: called with the store once a :class:`LazyStore` created it (the run then
             checks every further file against its header).
+        check_finite: refuse (as a failed sample) one whose hidden states hold NaN or inf,
+            checked by the writer piece by piece as the rows are written.
+        phases: where the seconds of each phase are added (the queue, the writer's).
     """
 
     def __init__(
@@ -117,6 +122,8 @@ class StoreSink:
         report: RunReport,
         on_fatal: Callable[[str], None],
         on_created: Callable[[Any], None] | None = None,
+        check_finite: bool = False,
+        phases: PhaseTimes | None = None,
     ):
         self._factory: Callable[[FetchedSample], Any] | None = None
         self.store = None
@@ -136,7 +143,9 @@ class StoreSink:
         self.report = report
         self.on_fatal = on_fatal
         self.on_created = on_created
-        self._queue: asyncio.Queue[FetchedSample | None] = asyncio.Queue()
+        self.check_finite = check_finite
+        self.phases = phases
+        self._queue: asyncio.Queue[tuple[FetchedSample, float] | asyncio.Future | None] = asyncio.Queue()
         self._buffered = 0
         self._room = asyncio.Condition()
         self._added = 0
@@ -165,7 +174,7 @@ class StoreSink:
         """Queue a validated sample for the writer."""
         async with self._room:
             self._buffered += sample.nbytes
-        await self._queue.put(sample)
+        await self._queue.put((sample, time.perf_counter()))
 
     def refresh(self) -> None:
         """See samples other writers committed (opens the store if another writer created it)."""
@@ -217,6 +226,9 @@ class StoreSink:
                     sample.set_result(None)
                     continue
                 if sample is not False:
+                    sample, queued = sample
+                    if self.phases is not None:
+                        self.phases.add("queue", time.perf_counter() - queued)
                     await self._add(sample)
                 w = self._writer
                 if w is not None and w.pending and time.monotonic() - last_commit > self.commit_interval_s:
@@ -238,18 +250,28 @@ class StoreSink:
                 if self.on_created is not None:
                     self.on_created(self.store)
             if self._writer is None:
-                make = functools.partial(self.store.writer, self.writer_id, shard_bytes=self.shard_bytes)
+                make = functools.partial(self.store.writer, self.writer_id, shard_bytes=self.shard_bytes,
+                                         phases=self.phases)  # fmt: skip
                 self._writer = await loop.run_in_executor(self._exec, make)
             check_header(self.store.header, sample)
-            add = functools.partial(self._writer.add, target_ids=sample.target_ids)
+            add = functools.partial(
+                self._writer.add, target_ids=sample.target_ids, check_finite=self.check_finite
+            )
             await loop.run_in_executor(
                 self._exec, add, sample.sample_id, sample.hidden_states, sample.token_ids, sample.loss_mask
             )
             self._added += 1
+        except SampleRejected as e:  # this sample's values or file, not the store: the run goes on
+            self.report.summary.failed += 1
+            self.report.record(sample.sample_id, e.reason, f"{sample.endpoint}: {e}", endpoint=sample.endpoint,
+                               source=sample.source or None)  # fmt: skip
         except ValueError as e:
             self.report.record(sample.sample_id, "store_mismatch", str(e))
             self.on_fatal(f"the server's hidden states do not fit the store: {e}")
         finally:
+            release = getattr(sample.hidden_states, "close", None)
+            if release is not None:  # rows left in the server's file: its pages are freed now
+                release()
             async with self._room:
                 self._buffered -= sample.nbytes
                 self._room.notify_all()
@@ -263,7 +285,7 @@ class StoreSink:
         except Exception as e:
             log.debug("store commit failed", exc_info=True)
             self.on_fatal(f"store commit failed: {describe_os_error(e)}")
-        self.report.summary.stored = self._added - (w.pending if w is not None else 0)
+        self.report.summary.stored = self._added - (w.pending + w.lost if w is not None else 0)
         async with self._room:
             self._room.notify_all()
 

@@ -140,8 +140,8 @@ class ChecksumStream:
 
     Feed each array with :meth:`begin` (its total byte length) and then :meth:`update` calls
     covering its bytes in order; :meth:`hexdigest` after the last array equals
-    :func:`checksum` of the whole arrays. For ``bsum64`` every piece but an array's last must
-    be a multiple of 4 KiB (the checksum's block); ``xxh3`` and ``crc32`` take any pieces.
+    :func:`checksum` of the whole arrays, however the bytes are cut into pieces (``bsum64``
+    carries a block a piece leaves open into the next).
     """
 
     BLOCK = 8 * 512
@@ -188,18 +188,27 @@ class ChecksumStream:
         if self._xxh is not None:
             self._xxh.update(b)
             return
+        if self._tail:  # complete the block the last piece left open
+            take = min(len(b), self.BLOCK - len(self._tail))
+            self._tail += bytes(b[:take])
+            b = b[take:]
+            if len(self._tail) == self.BLOCK:
+                self._blocks(memoryview(self._tail))
+                self._tail = b""
         full = len(b) // self.BLOCK
-        if self._left and len(b) % self.BLOCK:
-            raise ValueError(
-                f"a bsum64 piece must be a multiple of {self.BLOCK} bytes unless it ends the array"
-            )
         if full:
-            blocks = np.frombuffer(b[: full * self.BLOCK], dtype="<u8").reshape(full, CHECKSUM_BLOCK_WORDS)
-            np.add.reduce(blocks, axis=1, out=self._rows[self._done : self._done + full])
-            np.add.reduce(blocks, axis=0, out=self._col)
-            self._cols += self._col  # type: ignore[operator]
-            self._done += full
-        self._tail = bytes(b[full * self.BLOCK :])
+            self._blocks(b[: full * self.BLOCK])
+        if len(b) > full * self.BLOCK:
+            self._tail = bytes(b[full * self.BLOCK :])
+
+    def _blocks(self, b: memoryview) -> None:
+        """Sum whole 4 KiB blocks into the row and column sums."""
+        full = len(b) // self.BLOCK
+        blocks = np.frombuffer(b, dtype="<u8").reshape(full, CHECKSUM_BLOCK_WORDS)
+        np.add.reduce(blocks, axis=1, out=self._rows[self._done : self._done + full])
+        np.add.reduce(blocks, axis=0, out=self._col)
+        self._cols += self._col  # type: ignore[operator]
+        self._done += full
 
     def _finish(self) -> None:
         if self._left:

@@ -7,6 +7,19 @@ class StoreError(Exception):
     """A store that cannot be opened, read or written as asked; the message names the path."""
 
 
+class SampleRejected(ValueError):
+    """A sample whose rows failed a check as they were written (values not finite, a source file
+    cut short): nothing of it is in the shard, which goes on taking samples.
+
+    Attributes:
+        reason: ``non_finite`` or ``truncated_file`` (the failures file's words for them).
+    """
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
+
+
 class StoreHeaderMismatch(StoreError):
     """Samples with a different data meaning (header) were offered to an existing store.
 

@@ -47,6 +47,14 @@ def write_all(fd: int, buffers: Sequence[memoryview | bytes]) -> int:
     return total
 
 
+def pwrite_all(fd: int, buf: memoryview | bytes, offset: int) -> None:
+    """Write every byte of ``buf`` to ``fd`` at ``offset`` (``pwrite``, retrying short writes)."""
+    view = memoryview(buf).cast("B")
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
+
+
 def read_exact_into(fd: int, buf: memoryview, offset: int) -> None:
     """Fill ``buf`` from ``fd`` at ``offset`` (``preadv``, retrying short reads).
 

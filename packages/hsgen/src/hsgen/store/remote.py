@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from .backend import Backend
 from .fsutil import failpoint
 from .manifest import MANIFEST_SUFFIX, ManifestReplay, ReplayDelta, _FileState, encode
-from .shard import PendingSample, WrittenShard
+from .shard_builder import ShardBuilder, WrittenShard
 from .writer import SEQ_PREFIX, ShardWriter
 
 if TYPE_CHECKING:
@@ -122,6 +122,8 @@ def next_segment(backend: Backend, writer: str) -> int:
 class RemoteShardWriter(ShardWriter):
     """A :class:`ShardWriter` of an object-store store: stage on local disk, upload, then the segment."""
 
+    direct_rows = False  # the staged shard is read back at once for its upload: keep it in the page cache
+
     def _open(self) -> int:
         self._backend: Backend = self.store._backend
         self._stage = Path(tempfile.mkdtemp(prefix=f"hsgen-stage-{self.writer_id}-"))
@@ -141,11 +143,12 @@ class RemoteShardWriter(ShardWriter):
         if hasattr(self, "_stage"):
             shutil.rmtree(self._stage, ignore_errors=True)
 
-    def _write(self, name: str, batch: list[PendingSample]) -> WrittenShard:
+    def _temp_dir(self, name: str) -> Path:
+        return self._stage / f"{name}.tmp"
+
+    def _publish(self, name: str, shard: ShardBuilder) -> WrittenShard:
         local = self._stage / name
-        written = self._write_shard(
-            local, self._stage / f"{name}.tmp", batch, fsync=False
-        )  # the upload is durable
+        written = shard.seal(local, fsync=False)  # the upload is durable
         try:
             files = [
                 os.path.relpath(os.path.join(d, f), local).replace(os.sep, "/")

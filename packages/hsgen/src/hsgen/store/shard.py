@@ -1,13 +1,9 @@
-"""Writing one shard durably (temp directory, fsync, rename) and reading rows back from it."""
+"""Reading sample rows back from a committed shard (writing one: :mod:`hsgen.store.shard_builder`)."""
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
-from collections.abc import Sequence
-from concurrent.futures import Executor
-from dataclasses import dataclass
 from pathlib import Path
 
 import google_crc32c
@@ -15,174 +11,15 @@ import numpy as np
 
 from . import codecs as C
 from .errors import StoreError
-from .fsutil import failpoint, fsync_dir, fsync_tree, read_exact_into, tree_bytes, write_file
+from .fsutil import read_exact_into
 from .header import STORAGE_DTYPES, StoreHeader
 
 SHARD_ATTR = "hsgen"
 """Key of the shard group's attributes that describe the shard (see ``docs/format.md``)."""
 
 
-@dataclass
-class PendingSample:
-    """A sample buffered by a writer: arrays already validated and contiguous."""
-
-    sample_id: str
-    hidden: np.ndarray
-    token_ids: np.ndarray
-    loss_mask: np.ndarray
-    target_ids: np.ndarray | None = None
-    """``[T]`` int32 verifier argmax per token (``argmax`` stores only)."""
-
-
 TARGET_IDS = "target_ids"
 """Per-token array of ``argmax`` stores: the verifier's greedy next token after each position."""
-
-
-@dataclass
-class WrittenShard:
-    """What :func:`write_shard` committed to disk."""
-
-    rows: list[tuple[str, int, int, str]]
-    """(sample_id, offset, length, checksum) per sample, in shard order."""
-    tokens: int
-    nbytes: int
-
-
-def _mkdirs(root: Path, *parts: str) -> None:
-    """Create ``root`` and each nested part that does not exist yet (one mkdir per new level)."""
-    path = str(root)
-    if not os.path.isdir(path):
-        os.mkdir(path)
-    for part in parts:
-        path = os.path.join(path, part)
-        if not os.path.isdir(path):
-            os.mkdir(path)
-
-
-def _json_bytes(obj: dict) -> bytes:
-    return json.dumps(obj, indent=2).encode() + b"\n"
-
-
-def _sharded_file_buffers(parts: Sequence[np.ndarray], tokens: int, inner: int, row_bytes: int) -> list:
-    """Buffers of a sharding-codec file holding ``parts`` (rows concatenated), uncompressed."""
-    n_chunks = -(-tokens // inner)
-    pad = (n_chunks * inner - tokens) * row_bytes
-    chunk = inner * row_bytes
-    index = np.empty((n_chunks, 2), dtype="<u8")
-    index[:, 0] = np.arange(n_chunks, dtype=np.uint64) * chunk
-    index[:, 1] = chunk
-    index_bytes = index.tobytes()
-    crc = np.array([google_crc32c.value(index_bytes)], dtype="<u4").tobytes()
-    buffers: list = [memoryview(p).cast("B") for p in parts]
-    if pad:
-        buffers.append(bytes(pad))
-    buffers += [index_bytes, crc]
-    return buffers
-
-
-def write_shard(
-    final: Path,
-    tmp: Path,
-    header: StoreHeader,
-    codec: str,
-    samples: Sequence[PendingSample],
-    *,
-    chunk_bytes: int,
-    pool: Executor,
-    io_pool: Executor | None = None,
-    fsync: bool = True,
-) -> WrittenShard:
-    """Write ``samples`` as one shard at ``tmp``, fsync it, and rename it to ``final``.
-
-    The shard appears at ``final`` only complete; a crash leaves at most ``tmp`` (removed by gc).
-    Checksums run on ``pool`` while the data is written; the fsyncs of all files and directories
-    of the shard are issued together on ``io_pool`` (the file system batches them).
-    """
-    if codec == "fp8":
-        encoded = [C.encode_fp8(s.hidden, header.dtype) for s in samples]
-        hidden_parts = [q for q, _ in encoded]
-        scale_parts = [s for _, s in encoded]
-    else:
-        hidden_parts = [s.hidden for s in samples]
-        scale_parts = []
-    lengths = [len(s.token_ids) for s in samples]
-    tokens = sum(lengths)
-    dtype = C.hidden_storage_dtype(codec, header.dtype)
-    tail = [header.num_layers, header.hidden_size]
-    row_bytes = header.num_layers * header.hidden_size * dtype.itemsize
-    inner = C.inner_chunk_tokens(tokens, row_bytes, chunk_bytes)
-
-    def sums() -> list[str]:
-        out = []
-        for i, s in enumerate(samples):
-            scale = scale_parts[i] if scale_parts else None
-            arrays = C.sample_arrays(hidden_parts[i], s.token_ids, s.loss_mask, scale, s.target_ids)
-            out.append(C.checksum(arrays, C.write_checksum(header.format_version)))
-        return out
-
-    future = pool.submit(sums)
-    try:
-        nbytes = 0
-        hs_dir = tmp / "hidden_states"
-        _mkdirs(tmp, "hidden_states", "c", "0", "0")
-        hs_meta = C.sharded_array_meta(tokens, inner, tail, dtype, lz4=codec == "lz4")
-        nbytes += write_file(hs_dir / "zarr.json", [_json_bytes(hs_meta)], fsync=False)
-        if codec == "lz4":
-            nbytes += _write_with_zarr(tmp, "hidden_states", np.concatenate(hidden_parts))
-        else:
-            buffers = _sharded_file_buffers(hidden_parts, tokens, inner, row_bytes)
-            nbytes += write_file(hs_dir / "c" / "0" / "0" / "0", buffers, fsync=False)
-        plain = [("token_ids", [s.token_ids for s in samples]), ("loss_mask", [s.loss_mask for s in samples])]
-        if scale_parts:
-            plain.append(("hidden_scale", scale_parts))
-        if header.target_ids_stored:
-            plain.append((TARGET_IDS, [s.target_ids for s in samples]))
-        for name, parts in plain:
-            shape = [tokens, *parts[0].shape[1:]]
-            chunk_dir = tmp / name / "c"
-            if len(shape) == 2:
-                chunk_dir = chunk_dir / "0"
-            _mkdirs(tmp, *chunk_dir.relative_to(tmp).parts)
-            meta = C.plain_array_meta(name, shape, parts[0].dtype)
-            nbytes += write_file(tmp / name / "zarr.json", [_json_bytes(meta)], fsync=False)
-            nbytes += write_file(chunk_dir / "0", [memoryview(p).cast("B") for p in parts], fsync=False)
-        checksums = future.result()
-        rows, offset = [], 0
-        for s, n, crc in zip(samples, lengths, checksums, strict=True):
-            rows.append((s.sample_id, offset, n, crc))
-            offset += n
-        attrs = {
-            SHARD_ATTR: {
-                "format_version": header.format_version,
-                "codec": codec,
-                "dtype": header.dtype,
-                "header": header.to_dict(),
-                "samples": [list(r) for r in rows],
-            }
-        }
-        nbytes += write_file(tmp / "zarr.json", [_json_bytes(C.group_meta(attrs))], fsync=False)
-        if fsync:
-            fsync_tree(tmp, io_pool)
-        failpoint("shard_written")
-        os.rename(tmp, final)
-        if fsync:
-            fsync_dir(final.parent)
-        failpoint("shard_renamed")
-    except BaseException:
-        future.cancel()
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return WrittenShard(rows=rows, tokens=tokens, nbytes=nbytes)
-
-
-def _write_with_zarr(group_dir: Path, name: str, data: np.ndarray) -> int:
-    """Write ``data`` into an existing zarr array (metadata already on disk) with zarr's codecs."""
-    import zarr
-    from zarr.storage import LocalStore
-
-    arr = zarr.open_array(store=LocalStore(group_dir), path=name, mode="r+")
-    arr[...] = data
-    return tree_bytes(group_dir / name / "c")
 
 
 class LocalShardFiles:

@@ -14,12 +14,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .errors import StoreError
+from hsgen.phases import PhaseTimes, timer
+
+from .errors import SampleRejected, StoreError
 from .fsutil import fsync_dir
 from .header import LOGICAL_DTYPES
 from .manifest import MANIFEST_SUFFIX, ManifestAppender
 from .records import SampleRecord
-from .shard import PendingSample, WrittenShard, write_shard
+from .shard_builder import ShardBuilder, WrittenShard, staging_buffers
 
 if TYPE_CHECKING:
     from .store import HiddenStateStore
@@ -76,13 +78,18 @@ def _check_targets(sample_id: str, target_ids, tokens: int, stored: bool) -> np.
 class ShardWriter:
     """Appends samples to a store. One per process or thread; use as a context manager.
 
-    When the buffer reaches ``shard_bytes``, ``add`` hands it to a background thread that
-    writes the shard and its manifest records while the caller keeps adding (at most one shard
-    in flight, so about ``2 * shard_bytes`` of arrays are held). ``add`` keeps a reference to
-    the arrays (no copy): do not modify them in place before ``flush`` returns. A sample is
-    durable only after ``flush`` (or ``close``) returns; an error of a background commit is
-    raised by the next ``add``, ``flush`` or ``close``, and its samples stay buffered.
+    ``add`` writes each sample's rows into the shard being filled at once (an ``lz4`` store keeps
+    the arrays until the shard is sealed): the caller may reuse its arrays, or close the file its
+    rows are in, as soon as ``add`` returns. When the shard reaches ``shard_bytes`` it is sealed
+    and committed (index, fsync, rename, manifest records) on a background thread while the
+    caller keeps adding to the next one (at most one shard in flight). A sample is durable only
+    after ``flush`` (or ``close``) returns. An error of a background commit is raised by the next
+    ``add``, ``flush`` or ``close``; that shard's samples are lost (:attr:`lost` counts them: a
+    resumed run fetches them again).
     """
+
+    direct_rows = True
+    """Write a durable shard's rows with ``O_DIRECT`` (:mod:`hsgen.store.shard_builder`)."""
 
     def __init__(
         self,
@@ -92,15 +99,17 @@ class ShardWriter:
         shard_bytes: int = 32 << 20,
         chunk_bytes: int = 1 << 20,
         fsync: bool = True,
+        phases: PhaseTimes | None = None,
     ):
         """Open writer ``writer_id`` (default: a fresh unique id) of ``store``.
 
         Args:
             store: the store to add to.
             writer_id: names this writer's manifest and shard directory; reuse one to resume it.
-            shard_bytes: commit a shard once buffered hidden states reach this size.
+            shard_bytes: commit a shard once its hidden states reach this size.
             chunk_bytes: size of zarr inner chunks inside a shard (the unit a compressed read fetches).
             fsync: fsync shards and manifest lines (turn off only for throwaway stores).
+            phases: where the seconds of each phase of writing are added (None: not timed).
 
         Raises:
             StoreError: another live process uses ``writer_id``.
@@ -115,22 +124,27 @@ class ShardWriter:
         self.shard_bytes = shard_bytes
         self.chunk_bytes = chunk_bytes
         self.fsync = fsync
+        self.phases = phases
         self.header = store.header
+        self.lost = 0
+        """Samples added whose shard failed to commit (they are not in the store)."""
         self._manifest: ManifestAppender | None = None
-        self._pending: list[PendingSample] = []
-        self._pending_ids: set[str] = set()
-        self._pending_bytes = 0
+        self._shard: ShardBuilder | None = None  # the shard being filled
+        self._shard_seq = 0
+        self._shard_ids: set[str] = set()
+        self._shard_bytes = 0
+        self._staging: list[tuple[memoryview, memoryview]] = []
         self._closed = False
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"hsgen-crc-{writer_id}")
         self._io_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix=f"hsgen-fsync-{writer_id}")
         self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"hsgen-commit-{writer_id}")
-        self._inflight: tuple[Future, list[PendingSample]] | None = None
+        self._row_io = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"hsgen-rows-{writer_id}")
+        self._inflight: tuple[Future, int] | None = None  # the commit in the background, its samples
         try:
             self._seq = self._open()
         except BaseException:
-            self._pool.shutdown()
             self._io_pool.shutdown()
             self._committer.shutdown()
+            self._row_io.shutdown()
             self._close_target()
             raise
 
@@ -149,21 +163,19 @@ class ShardWriter:
         if self._manifest is not None:
             self._manifest.close()
 
-    def _write(self, name: str, batch: list[PendingSample]) -> WrittenShard:
-        """Write shard ``name`` of this writer, complete (temp directory renamed into place)."""
-        return self._write_shard(self._dir / name, self._dir / f"{name}.tmp-{secrets.token_hex(4)}", batch,
-                                 fsync=self.fsync)  # fmt: skip
+    def _temp_dir(self, name: str) -> Path:
+        """Where shard ``name`` is built before its rename."""
+        return self._dir / f"{name}.tmp-{secrets.token_hex(4)}"
 
-    def _write_shard(self, path: Path, tmp: Path, batch: list[PendingSample], *, fsync: bool) -> WrittenShard:
-        """``batch`` as one complete shard at ``path`` (built in ``tmp``, renamed into place),
-        with this writer's header, chunking and pools."""
-        return write_shard(path, tmp, self.header, self.header.codec, batch, chunk_bytes=self.chunk_bytes,
-                           pool=self._pool, io_pool=self._io_pool, fsync=fsync)  # fmt: skip
+    def _publish(self, name: str, shard: ShardBuilder) -> WrittenShard:
+        """Seal ``shard`` as shard ``name`` of this writer, complete (renamed into place, fsync'd)."""
+        return shard.seal(self._dir / name, fsync=self.fsync, io_pool=self._io_pool)
 
     def _append(self, lines: list[dict]) -> None:
         """Make the shard's manifest records durable."""
         assert self._manifest is not None
-        self._manifest.append(lines, fsync=self.fsync)
+        with timer(self.phases, "manifest"):
+            self._manifest.append(lines, fsync=self.fsync)
 
     def _recover(self) -> int:
         """Remove this writer's leftovers of a crash; return the next shard sequence number."""
@@ -185,40 +197,54 @@ class ShardWriter:
 
     @property
     def pending(self) -> int:
-        """Samples buffered or being committed in the background, not yet known durable."""
+        """Samples added but not yet known durable (in the shard being filled or being committed)."""
         inflight = 0
         if self._inflight is not None:
             if self._inflight[0].done() and self._inflight[0].exception() is None:
                 self._inflight = None
             else:
-                inflight = len(self._inflight[1])
-        return len(self._pending) + inflight
+                inflight = self._inflight[1]
+        return (len(self._shard) if self._shard is not None else 0) + inflight
 
     def add(
-        self, sample_id: str, hidden_states: np.ndarray, token_ids, loss_mask=None, *, target_ids=None
+        self,
+        sample_id: str,
+        hidden_states,
+        token_ids,
+        loss_mask=None,
+        *,
+        target_ids=None,
+        check_finite: bool = False,
     ) -> None:
-        """Buffer one whole sample; writes a shard when the buffer reaches ``shard_bytes``.
+        """Add one whole sample to the shard being filled; seals it once it reaches ``shard_bytes``.
 
         Args:
             sample_id: unique id of the sample.
             hidden_states: ``[T, n_layers, H]`` in the storage dtype (uint16 for bfloat16; an
-                ml_dtypes bfloat16 array is accepted too).
+                ml_dtypes bfloat16 array is accepted too), or the rows still in a file
+                (:class:`hsgen.hidden_file.FileRows`), read in pieces as they are written.
             token_ids: ``[T]`` integer token ids.
             loss_mask: ``[T]`` 0/1 values; ``None`` means all ones.
             target_ids: ``[T]`` non-negative token ids, the verifier's greedy next token after
                 each position: required by an ``argmax`` store, refused by any other.
+            check_finite: refuse the sample when a hidden-state value is NaN or infinite
+                (checked piece by piece as it is written).
 
         Raises:
             ValueError: a shape, dtype or value does not fit the store header.
+            SampleRejected: ``check_finite`` found a value that is not finite, or the rows' file
+                is shorter than it said: nothing of the sample is stored, the writer goes on.
+            OSError: a write failed; the shard being filled is dropped (its samples counted in
+                :attr:`lost`).
         """
         if self._closed:
             raise StoreError(f"{self.store.path}: writer {self.writer_id} is closed")
         if not isinstance(sample_id, str) or not sample_id:
             raise ValueError(f"sample_id must be a non-empty string, got {sample_id!r}")
-        if sample_id in self._pending_ids:
+        if sample_id in self._shard_ids:
             raise ValueError(f"sample {sample_id!r} was already added to this writer")
         h = self.header
-        hidden = np.asarray(hidden_states)
+        hidden = hidden_states if hasattr(hidden_states, "read_range") else np.asarray(hidden_states)
         if hidden.dtype == LOGICAL_DTYPES[h.dtype] and hidden.dtype != h.storage_dtype:
             hidden = hidden.view(h.storage_dtype)
         if hidden.dtype != h.storage_dtype:
@@ -226,9 +252,13 @@ class ShardWriter:
                 f"sample {sample_id!r}: hidden_states dtype {hidden.dtype} does not match the store "
                 f"({h.dtype}, stored as {h.storage_dtype})"
             )
-        if hidden.ndim != 3 or hidden.shape[1:] != (h.num_layers, h.hidden_size) or hidden.shape[0] == 0:
+        if (
+            hidden.ndim != 3
+            or tuple(hidden.shape[1:]) != (h.num_layers, h.hidden_size)
+            or hidden.shape[0] == 0
+        ):
             raise ValueError(
-                f"sample {sample_id!r}: hidden_states shape {hidden.shape} must be "
+                f"sample {sample_id!r}: hidden_states shape {tuple(hidden.shape)} must be "
                 f"[T>0, {h.num_layers}, {h.hidden_size}] (layers {list(h.layer_ids)})"
             )
         tokens = hidden.shape[0]
@@ -248,33 +278,60 @@ class ShardWriter:
                 raise ValueError(f"sample {sample_id!r}: loss_mask values must be 0 or 1")
             mask = np.ascontiguousarray(m, dtype=np.uint8)
         targets = _check_targets(sample_id, target_ids, tokens, h.target_ids_stored)
-        nbytes = hidden.nbytes
-        if self._pending and self._pending_bytes + nbytes > self.shard_bytes:
+        nbytes = int(hidden.nbytes)
+        if self._shard is not None and self._shard_bytes + nbytes > self.shard_bytes:
             self._flush_background()
-        self._pending.append(PendingSample(sample_id, np.ascontiguousarray(hidden), ids, mask, targets))
-        self._pending_ids.add(sample_id)
-        self._pending_bytes += nbytes
-        if self._pending_bytes >= self.shard_bytes:
+        shard = self._filling()
+        try:
+            shard.add(sample_id, hidden, ids, mask, targets, check_finite=check_finite)
+        except SampleRejected:
+            raise
+        except BaseException:
+            self._drop_filling()
+            raise
+        self._shard_ids.add(sample_id)
+        self._shard_bytes += nbytes
+        if self._shard_bytes >= self.shard_bytes:
             self._flush_background()
 
-    def _take(self) -> tuple[int, list[PendingSample]]:
-        """Detach the buffer as the next shard's batch and give it a sequence number."""
-        batch, seq = self._pending, self._seq
-        self._seq += 1
-        self._pending, self._pending_ids, self._pending_bytes = [], set(), 0
-        return seq, batch
+    def _filling(self) -> ShardBuilder:
+        """The shard being filled (a new one, with the next sequence number, when there is none)."""
+        if self._shard is None:
+            seq = self._seq
+            self._seq += 1
+            name = f"{seq:08d}.zarr"
+            if not self._staging:  # a pair for the shard being filled, a pair for the one being sealed
+                self._staging = [staging_buffers(), staging_buffers()]
+            self._shard = ShardBuilder(self._temp_dir(name), self.header, chunk_bytes=self.chunk_bytes,
+                                       staging=self._staging[seq % 2], io=self._row_io,
+                                       direct=self.fsync and self.direct_rows, phases=self.phases)  # fmt: skip
+            self._shard_seq = seq
+        return self._shard
 
-    def _untake(self, batch: list[PendingSample]) -> None:
-        """Put a batch whose commit failed back at the front of the buffer (its sequence number stays used)."""
-        self._pending[:0] = batch
-        self._pending_ids.update(s.sample_id for s in batch)
-        self._pending_bytes += sum(s.hidden.nbytes for s in batch)
+    def _take(self) -> tuple[int, ShardBuilder]:
+        """Detach the shard being filled for its commit."""
+        shard, seq = self._shard, self._shard_seq
+        assert shard is not None
+        self._shard, self._shard_ids, self._shard_bytes = None, set(), 0
+        return seq, shard
 
-    def _commit(self, seq: int, batch: list[PendingSample]) -> list[SampleRecord]:
-        """Write ``batch`` as shard ``seq``, then append and fsync its manifest records."""
+    def _drop_filling(self) -> None:
+        """Drop the shard being filled after a failed write (its samples are lost)."""
+        if self._shard is not None:
+            seq, shard = self._take()
+            self.lost += len(shard)
+            shard.abort()
+
+    def _commit(self, seq: int, shard: ShardBuilder) -> list[SampleRecord]:
+        """Seal ``shard`` as shard ``seq``, then append and fsync its manifest records."""
         name = f"{seq:08d}.zarr"
         rel = f"shards/{self.writer_id}/{name}"
-        written = self._write(name, batch)
+        try:
+            written = self._publish(name, shard)
+        except BaseException:
+            shard.abort()
+            self.lost += len(shard)
+            raise
         lines: list[dict] = [
             {"op": "add", "id": sid, "shard": rel, "offset": off, "length": n, "checksum": crc}
             for sid, off, n, crc in written.rows
@@ -289,43 +346,40 @@ class ShardWriter:
                 "codec": self.header.codec,
             }
         )
-        self._append(lines)
+        try:
+            self._append(lines)
+        except BaseException:
+            self.lost += len(shard)
+            raise
         self.store.refresh()
         return [SampleRecord(sid, rel, off, n, crc) for sid, off, n, crc in written.rows]
 
     def _wait_inflight(self) -> list[SampleRecord]:
-        """Wait for the background commit; on failure its samples return to the buffer and it raises."""
+        """Wait for the background commit; raises its error (its samples are then lost)."""
         if self._inflight is None:
             return []
-        future, batch = self._inflight
+        future, _n = self._inflight
         self._inflight = None
-        try:
+        with timer(self.phases, "wait_commit"):
             return future.result()
-        except BaseException:
-            self._untake(batch)
-            raise
 
     def _flush_background(self) -> None:
-        """Commit the buffer on the commit thread (at most one shard in flight) and keep buffering."""
+        """Commit the shard being filled on the commit thread (at most one in flight) and go on."""
         self._wait_inflight()
-        seq, batch = self._take()
-        self._inflight = (self._committer.submit(self._commit, seq, batch), batch)
+        seq, shard = self._take()
+        self._inflight = (self._committer.submit(self._commit, seq, shard), len(shard))
 
     def flush(self) -> list[SampleRecord]:
-        """Commit the buffered samples as one shard now; returns their records (``[]`` if none).
+        """Commit the shard being filled now; returns the records committed (``[]`` if none).
 
-        Also waits for a shard that ``add`` handed to the background (its records come first);
-        when ``flush`` returns, every sample added so far is durable.
+        Also waits for a shard committing in the background (its records come first); when
+        ``flush`` returns, every sample added so far is durable.
         """
         records = self._wait_inflight()
-        if not self._pending:
+        if self._shard is None or not len(self._shard):
             return records
-        seq, batch = self._take()
-        try:
-            return records + self._commit(seq, batch)
-        except BaseException:
-            self._untake(batch)
-            raise
+        seq, shard = self._take()
+        return records + self._commit(seq, shard)
 
     def close(self) -> None:
         """Flush, then release the writer id. Safe to call twice."""
@@ -335,9 +389,11 @@ class ShardWriter:
             self.flush()
         finally:
             self._closed = True
+            if self._shard is not None:  # a flush that raised before sealing it
+                self._drop_filling()
             self._committer.shutdown()
-            self._pool.shutdown()
             self._io_pool.shutdown()
+            self._row_io.shutdown()
             self._close_target()
 
     def __enter__(self) -> ShardWriter:
