@@ -19,7 +19,13 @@ No model can be downloaded, so the script builds a small but real target first:
    against the target's own greedy decoding) on held-out prompts.
 
 The last stdout line is JSON with ``tau_dflash``, ``tau_dspark``, ``tau_eagle3``, ``tau_baseline``,
-``exact_match``. Ablations: ``--only dflash --train-args '--optimizer muon' --tag muon --work DIR``
+``exact_match`` and the input hashes (``target_weights_sha256``, ``train_jsonl_sha256``,
+``eval_jsonl_sha256``). ``--peer`` trains speculators 0.9.0's own DFlash and Eagle3 beside ours on
+the same samples and hidden states (``quality_peer.py``) and adds ``peer_tau_*``, ``diff_*`` (ours
+minus the peer, paired per prompt, mean over the draws) with ``diff_*_ci`` (95% bootstrap),
+``min_diff_*`` (the worst draw's) and each side's training GFLOP. ``--seeds 0,1,2`` draws the
+windows and evaluation prompts anew per seed (figures are then means over the draws, hashes lists
+in seed order); ``--lrs`` sweeps the learning rate of both sides alike. Ablations: ``--only dflash --train-args '--optimizer muon' --tag muon --work DIR``
 trains and evaluates one draft with extra ``spectrain train`` flags against the store kept in
 ``DIR`` (the last line then holds that draft's ``tau``, per-position acceptance, training FLOPs
 and CPU step time). Sizes: ``--quick`` (a tiny target on an eighth of the corpus, 32 prompts, 4
@@ -27,8 +33,10 @@ evaluation prompts; every command runs in this process: under a minute on 2 CPU 
 included), ``--size small`` (the former quick size; ``bench_storage.py``'s), the default (~30
 minutes on CPU) and ``--size gpu`` (chosen automatically when CUDA is available).
 
-The target is built by ``quality_target.py``, the sizes are in ``quality_sizes.py`` and the steps
-(prompts, ``hsgen generate``, ``spectrain train``/``export``/``eval``) in ``quality_steps.py``.
+The target is built by ``quality_target.py`` (its inputs made reproducible by ``quality_inputs.py``),
+the sizes are in ``quality_sizes.py``, the steps (prompts, ``hsgen generate``, ``spectrain
+train``/``export``/``eval``) in ``quality_steps.py``, one draw in ``quality_draw.py``, the peer in
+``quality_peer.py`` and the paired statistics in ``quality_stats.py`` / ``quality_report.py``.
 """
 
 from __future__ import annotations
@@ -38,7 +46,6 @@ import dataclasses
 import json
 import logging
 import os
-import shlex
 import shutil
 import sys
 import tempfile
@@ -46,95 +53,157 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from quality_inputs import KERNELS, build_differences, environment, input_hashes, pin_kernels  # noqa: E402
-from quality_sizes import SIZES, SPECULATORS_RECIPE, draft_layers  # noqa: E402
-from quality_steps import (  # noqa: E402
-    evaluate_draft,
-    export_untrained,
-    generate_hidden_states,
-    make_prompts,
-    train_draft,
-)
+from quality_draw import DrawPlan, run_draw  # noqa: E402
+from quality_inputs import KERNELS, build_differences, environment, pin_kernels  # noqa: E402
+from quality_peer import CPU_CHANGES, PEER_ALGORITHMS  # noqa: E402
+from quality_report import summarize  # noqa: E402
+from quality_sizes import SIZES  # noqa: E402
 from quality_target import TargetError, TargetSpec, ensure_target, target_facts  # noqa: E402
 
 log = logging.getLogger("bench_quality")
+
+ALL_DRAFTS = ("dflash", "dspark", "eagle3", "baseline")
+
+
+# --------------------------------------------------------------------------- arguments
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add = parser.add_argument
+    add(
+        "--quick",
+        action="store_true",
+        help="Smallest size: the whole path in under a minute on 2 CPU cores (low tau figures).",
+    )
+    add("--size", choices=sorted(SIZES), default=None, help="Size (default: gpu with CUDA, else default).")
+    add("--device", default=None, help="Torch device (default: cuda if available, else cpu).")
+    add(
+        "--cache",
+        type=Path,
+        default=None,
+        help="Where trained targets are kept (default: $HSGEN_CACHE/bench-quality).",
+    )
+    add(
+        "--target",
+        type=Path,
+        default=None,
+        help="Use this built target (a directory bench_quality.py built: its bench_target.json and the weights it "
+        "records) instead of the cache's; the size's data and drafts around it.",
+    )
+    add(
+        "--kernels",
+        choices=sorted(KERNELS),
+        default="avx2",
+        help="CPU code paths of every step: avx2 (meant to give the same bits on any x86-64 CPU with AVX2) or "
+        "native (AVX-512/AMX where the CPU has them: faster, other bits).",
+    )
+    add(
+        "--work",
+        type=Path,
+        default=None,
+        help="Working directory (default: a temporary one, removed at the end).",
+    )
+    add("--keep", action="store_true", help="Keep the working directory (store, checkpoints, drafts).")
+    add(
+        "--only",
+        choices=list(ALL_DRAFTS),
+        default=None,
+        help="Train and evaluate this draft only (ablations; the last line then describes it alone; with --peer, "
+        "the peer's draft of the same algorithm beside it).",
+    )
+    add(
+        "--drafts",
+        default=None,
+        help="Comma-separated drafts to train and evaluate (default: all of dflash,dspark,eagle3,baseline; with "
+        "--peer: dflash,eagle3,baseline, the algorithms the peer trains).",
+    )
+    add(
+        "--train-args",
+        default="",
+        help="Extra `spectrain train` flags for our trained draft(s), e.g. '--optimizer muon --lr 1e-3'.",
+    )
+    add(
+        "--recipe",
+        choices=["ours", "speculators"],
+        default="ours",
+        help="Train with our defaults, or with speculators 0.9.0's recipe expressed as our options.",
+    )
+    add("--tag", default="", help="Suffix of this run's train/draft directories under --work.")
+    add(
+        "--threads",
+        type=int,
+        default=1,
+        help="Torch threads of every step (1: fastest on a shared or busy machine; the core count on an idle one).",
+    )
+    add(
+        "--peer",
+        action="store_true",
+        help="Also train speculators 0.9.0's own DFlash and Eagle3 (its trainer) on the same samples and hidden "
+        "states and report ours minus the peer, paired per prompt.",
+    )
+    add(
+        "--seeds",
+        default="0",
+        help="Comma-separated data draws: each seed draws the training windows and evaluation prompts anew "
+        "(default 0; several: each under <work>/seed-N, figures are means over them).",
+    )
+    add(
+        "--lrs",
+        default=None,
+        help="Comma-separated learning rates: train every draft of both sides at each (a sweep; each side's "
+        "reported figure is its best rate by mean tau over the draws).",
+    )
+    return parser  # fmt: skip
+
+
+def _floats(text: str | None, flag: str) -> tuple[float | None, ...]:
+    if not text:
+        return (None,)
+    try:
+        return tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise SystemExit(f"{flag}: not a comma-separated list of numbers: {text!r}") from None
+
+
+def _seeds(text: str) -> list[int]:
+    try:
+        seeds = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise SystemExit(f"--seeds: not a comma-separated list of integers: {text!r}") from None
+    if len(set(seeds)) != len(seeds):
+        raise SystemExit(f"--seeds: a seed given twice: {text!r}")
+    return seeds
+
+
+def _plan(args) -> DrawPlan:
+    if args.only:
+        ours = (args.only,)
+    elif args.drafts:
+        ours = tuple(x.strip() for x in args.drafts.split(",") if x.strip())
+        unknown = sorted(set(ours) - set(ALL_DRAFTS))
+        if unknown:
+            raise SystemExit(f"--drafts: no such draft {', '.join(unknown)} (known: {', '.join(ALL_DRAFTS)})")
+    else:
+        ours = ("dflash", "eagle3", "baseline") if args.peer else ALL_DRAFTS
+    peer = tuple(a for a in PEER_ALGORITHMS if a in ours) if args.peer else ()
+    if args.peer and not peer:
+        raise SystemExit(f"--peer: the peer trains {', '.join(PEER_ALGORITHMS)}, none of {', '.join(ours)}")
+    return DrawPlan(ours=ours, peer=peer, lrs=_floats(args.lrs, "--lrs"), recipe=args.recipe,
+                    train_args=args.train_args, tag=args.tag, keep_peer_data=args.keep)  # fmt: skip
 
 
 # --------------------------------------------------------------------------- main
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="Smallest size: the whole path in under a minute on 2 CPU cores (low tau figures).",
-    )
-    parser.add_argument(
-        "--size", choices=sorted(SIZES), default=None, help="Size (default: gpu with CUDA, else default)."
-    )
-    parser.add_argument("--device", default=None, help="Torch device (default: cuda if available, else cpu).")
-    parser.add_argument(
-        "--cache",
-        type=Path,
-        default=None,
-        help="Where trained targets are kept (default: $HSGEN_CACHE/bench-quality).",
-    )
-    parser.add_argument(
-        "--target",
-        type=Path,
-        default=None,
-        help="Use this built target (a directory bench_quality.py built: its bench_target.json and the "
-        "weights it records) instead of the cache's; the size's data and drafts around it.",
-    )
-    parser.add_argument(
-        "--kernels",
-        choices=sorted(KERNELS),
-        default="avx2",
-        help="CPU code paths of every step: avx2 (the same bits on any x86-64 CPU with AVX2) or native "
-        "(AVX-512/AMX where the CPU has them: faster, other bits).",
-    )
-    parser.add_argument(
-        "--work",
-        type=Path,
-        default=None,
-        help="Working directory (default: a temporary one, removed at the end).",
-    )
-    parser.add_argument(
-        "--keep", action="store_true", help="Keep the working directory (store, checkpoints, drafts)."
-    )
-    parser.add_argument(
-        "--only",
-        choices=["dflash", "dspark", "eagle3", "baseline"],
-        default=None,
-        help="Train and evaluate this draft only (ablations; the last line then describes it alone).",
-    )
-    parser.add_argument(
-        "--train-args",
-        default="",
-        help="Extra `spectrain train` flags for the trained draft(s), e.g. '--optimizer muon --lr 1e-3'.",
-    )
-    parser.add_argument(
-        "--recipe",
-        choices=["ours", "speculators"],
-        default="ours",
-        help="Train with our defaults, or with speculators 0.9.0's recipe expressed as our options.",
-    )
-    parser.add_argument(
-        "--tag", default="", help="Suffix of this run's train/draft directories under --work."
-    )
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=1,
-        help="Torch threads of every step (1: fastest on a shared or busy machine; the core count on an idle one).",
-    )
-    args = parser.parse_args(argv)
+    args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
     if not (args.device or "").startswith("cuda"):
         pin_kernels(args.kernels)
+    plan, seeds = _plan(args), _seeds(args.seeds)
 
     import torch
 
@@ -150,9 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     log.info("size %s on %s; working directory %s", size_name, device, work)
     t_start = time.perf_counter()
-    timings: dict[str, float] = {}
     try:
-        t0 = time.perf_counter()
         target = args.target or ensure_target(cache, size.target, device)
         try:
             facts = target_facts(target)
@@ -165,103 +232,35 @@ def main(argv: list[str] | None = None) -> int:
                 size_name,
             )
             size = dataclasses.replace(size, target=TargetSpec(**facts["spec"]))
-        timings["target"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        train_jsonl, eval_jsonl = make_prompts(target, size, work, device)
-        timings["prompts"] = time.perf_counter() - t0
-        L = size.target.num_hidden_layers
-        dflash_aux, eagle_aux = draft_layers(L)
-        store_layers = sorted({*dflash_aux, *eagle_aux, L})
-        t0 = time.perf_counter()
-        store = generate_hidden_states(target, train_jsonl, store_layers, work, device, size.in_process)
-        timings["hidden_states"] = time.perf_counter() - t0
-        results: dict[str, dict] = {}
-        train_summaries = {}
-        drafts = {}
-        trained = [a for a in ("dflash", "dspark", "eagle3") if args.only in (None, a)]
-        tag = args.tag or ("speculators" if args.recipe == "speculators" else "")
-        for algorithm in trained:
-            aux = eagle_aux if algorithm == "eagle3" else dflash_aux
-            recipe = SPECULATORS_RECIPE[algorithm] if args.recipe == "speculators" else ""
-            extra = shlex.split(recipe) + shlex.split(args.train_args)
-            t0 = time.perf_counter()
-            drafts[algorithm], train_summaries[algorithm] = train_draft(
-                algorithm, size, target, store, aux, work, device, extra, tag
-            )
-            timings[f"train_{algorithm}"] = time.perf_counter() - t0
-        if args.only in (None, "baseline"):
-            drafts["baseline"] = export_untrained(dflash_aux, size, target, work / "draft-baseline")
-        for name, path in drafts.items():
-            t0 = time.perf_counter()
-            results[name] = evaluate_draft(path, target, eval_jsonl, size, device)
-            timings[f"eval_{name}"] = time.perf_counter() - t0
-        timings["total"] = time.perf_counter() - t_start
-        hashes = input_hashes(facts, train_jsonl, eval_jsonl)
+        target_s = time.perf_counter() - t_start
+        draws = []
+        for seed in seeds:
+            draw_dir = work if seeds == [0] else work / f"seed-{seed}"
+            draw_dir.mkdir(parents=True, exist_ok=True)
+            log.info("draw: seed %d in %s", seed, draw_dir)
+            draws.append(run_draw(plan, seed, draw_dir, target, facts, size, device))
+        lines, figures = summarize(draws, plan)
         env = environment(device)
         elsewhere = build_differences(facts.get("built_with", {}), env)
         if elsewhere:
             log.warning("target: built under another environment than this one: %s", elsewhere)
+        hashes = {k: draws[0]["inputs"][k] if len(draws) == 1 else [d["inputs"][k] for d in draws]
+                  for k in draws[0]["inputs"]}  # fmt: skip
         details = {
-            "size": size_name,
-            "device": device,
-            "inputs": hashes,
-            "environment": env,
-            "target_built_elsewhere": elsewhere,
-            "target_dir": str(target),
-            "target": facts,
-            "layers": {
-                "dflash": dflash_aux,
-                "dspark": dflash_aux,
-                "eagle3": eagle_aux,
-                "store": store_layers,
-            },
-            "recipe": args.recipe,
-            "train_args": args.train_args,
-            "train": train_summaries,
-            "eval": {
-                name: {
-                    k: r[k]
-                    for k in (
-                        "tau",
-                        "num_speculative_tokens",
-                        "acceptance_rate",
-                        "accepted_histogram",
-                        "steps",
-                        "new_tokens",
-                        "exact_match",
-                    )
-                }  # fmt: skip
-                for name, r in results.items()
-            },
-            "timings_s": {k: round(v, 1) for k, v in timings.items()},
-        }
-        (work / f"results{'-' + tag if tag else ''}{'-' + args.only if args.only else ''}.json").write_text(
-            json.dumps(details, indent=2) + "\n"
-        )
-        print(json.dumps(details, indent=2), file=sys.stderr)
-        for name, r in results.items():
-            rates = " ".join(f"{x:.2f}" for x in r["acceptance_rate"])
-            print(
-                f"{name:>9}: tau {r['tau']:.3f}  K={r['num_speculative_tokens']}  per-position {rates}",
-                file=sys.stderr,
-            )
-        exact = all(r["exact_match"] for r in results.values())
-        if args.only:
-            r = results[args.only]
-            t = train_summaries.get(args.only, {})
-            final = {"draft": args.only, "tag": args.tag, "train_args": args.train_args, "tau": round(r["tau"], 4),
-                     "acceptance_rate": [round(x, 3) for x in r["acceptance_rate"]],
-                     "train_gflop": round(t.get("train_flops", 0.0) / 1e9, 1), "step_time_s": t.get("step_time_s"),
-                     "train_seconds": t.get("train_seconds"), "exact_match": exact, **hashes}  # fmt: skip
-        else:
-            final = {
-                "tau_dflash": round(results["dflash"]["tau"], 4),
-                "tau_dspark": round(results["dspark"]["tau"], 4),
-                "tau_eagle3": round(results["eagle3"]["tau"], 4),
-                "tau_baseline": round(results["baseline"]["tau"], 4),
-                "exact_match": exact,
-                **hashes,
-            }
+            "size": size_name, "device": device, "seeds": seeds, "inputs": hashes, "environment": env,
+            "target_built_elsewhere": elsewhere, "target_dir": str(target), "target": facts,
+            "recipe": args.recipe, "train_args": args.train_args, "plan": dataclasses.asdict(plan),
+            "peer_cpu_changes": CPU_CHANGES if plan.peer and not device.startswith("cuda") else {},
+            "summary": figures, "draws": draws,
+            "timings_s": {"target": round(target_s, 1), "total": round(time.perf_counter() - t_start, 1)},
+        }  # fmt: skip
+        suffix = "".join(f"-{x}" for x in (args.tag or ("speculators" if args.recipe == "speculators" else ""),
+                                           args.only or "") if x)  # fmt: skip
+        (work / f"results{suffix}.json").write_text(json.dumps(details, indent=2) + "\n")
+        _print_draws(draws)
+        for line in lines:
+            print(line, file=sys.stderr)
+        final = _final(args, draws, figures, hashes, seeds)
         print(json.dumps(final))
         return 0 if final["exact_match"] else 1
     finally:
@@ -269,6 +268,40 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(work, ignore_errors=True)
         elif args.keep or args.work:
             log.info("kept %s", work)
+
+
+def _print_draws(draws: list[dict]) -> None:
+    for d in draws:
+        for name, r in d["eval"].items():
+            rates = " ".join(f"{x:.2f}" for x in r["acceptance_rate"])
+            print(f"seed {d['seed']} {name:>12}: tau {r['tau']:.3f}  K={r['num_speculative_tokens']}  "
+                  f"per-position {rates}", file=sys.stderr)  # fmt: skip
+
+
+def _final(args, draws: list[dict], figures: dict, hashes: dict, seeds: list[int]) -> dict:
+    """The last stdout line: today's keys, the peer's and the sweep's when asked for, the hashes."""
+    extra = {"seeds": seeds} if seeds != [0] else {}
+    if not args.only:
+        return {**figures, **extra, **hashes}
+    name = args.only
+    rows = [
+        d["eval"][name if args.lrs is None else next(k for k in d["eval"] if k.startswith(name))]
+        for d in draws
+    ]
+    trains = [d["train"].get(name, {}) for d in draws]
+    final = {"draft": name, "tag": args.tag, "train_args": args.train_args, "tau": figures[f"tau_{name}"],
+             "acceptance_rate": [round(sum(r["acceptance_rate"][i] for r in rows) / len(rows), 3)
+                                 for i in range(len(rows[0]["acceptance_rate"]))],
+             "train_gflop": round(sum(t.get("train_flops", 0.0) for t in trains) / len(trains) / 1e9, 1),
+             "step_time_s": trains[0].get("step_time_s"), "train_seconds": trains[0].get("train_seconds"),
+             "exact_match": figures["exact_match"]}  # fmt: skip
+    for key in ("peer_tau", "peer_train_gflop", "diff", "diff_ci", "min_diff", "diffs"):
+        src = f"{key}_{name}" if not key.startswith("diff_ci") else f"diff_{name}_ci"
+        if src in figures:
+            final[key] = figures[src]
+    if "sweep" in figures:
+        final["sweep"] = figures["sweep"]
+    return {**final, **extra, **hashes}
 
 
 if __name__ == "__main__":

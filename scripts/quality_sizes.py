@@ -6,6 +6,7 @@ docs/benchmarks.md name the size they were measured on. Not a benchmark itself.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from quality_target import TargetSpec
@@ -37,6 +38,10 @@ class BenchSize:
     """DFlash block; both drafts are evaluated with ``K = dflash_block_size - 1`` tokens per step."""
     eagle3_ttt_steps: int
     """Eagle3 training-time-test steps (its chain still drafts K tokens at evaluation, as in vLLM)."""
+    peer_dflash_lr: float = 1e-3
+    """The peer's (speculators 0.9.0's trainer) learning rate, swept on this size as ours
+    (``bench_quality.py --peer --lrs``); 1e-3 is its default, for sizes not swept."""
+    peer_eagle3_lr: float = 1e-3
     in_process: bool = False
     """Run each command (``spectrain train``/``export``/``eval``) inside the benchmark's process and
     ``hsgen serve`` in a thread of it, rather than one process each: the same code, without a torch
@@ -114,6 +119,14 @@ SIZES: dict[str, BenchSize] = {
         eagle3_ttt_steps=7,
     ),
 }
+
+
+SIZES["guard"] = dataclasses.replace(
+    SIZES["small"], num_train_prompts=96, num_eval_prompts=6, eval_new_tokens=32, in_process=True
+)
+"""The CI smoke's recipe guard (``bench_quality.py --guard``): the small size's target (the quick
+target's greedy continuations are loops, on which a broken recipe can score above today's), fewer
+samples and prompts, every command in the benchmark's process. docs/benchmarks.md, "The recipe guard"."""
 
 
 SPECULATORS_OPTIMIZER = (

@@ -1,0 +1,113 @@
+"""The quality benchmark's peer (``scripts/quality_peer.py``): speculators 0.9.0's own trainer on
+exactly our samples, and the paired statistics that compare it with ours (issue 31).
+
+The data the peer's own dataset class reads back is the store's, bit for bit, row for row, and its
+own train/validation split trains on exactly our training samples; its trainer, run as its CLI runs
+it (with the named CPU changes), trains a DFlash draft that ``spectrain eval`` decodes exactly; the
+paired bootstrap gives zero for a draft against itself and the sign and size of a known difference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+import quality_stats  # noqa: E402
+from quality_peer import write_peer_data  # noqa: E402
+from quality_sizes import SIZES  # noqa: E402
+from quality_steps import evaluate_draft, generate_hidden_states  # noqa: E402
+
+pytest.importorskip("speculators.train.data", reason="scripts/install.sh installs speculators 0.9.0")
+
+LAYERS = [1, 2, 3, 4]
+VAL = 0.2
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory, tiny_model_dir) -> Path:
+    """A store of 24 samples of the tiny verifier (prompt untrained, continuation trained)."""
+    work = tmp_path_factory.mktemp("peer-store")
+    rng = random.Random(0)
+    with open(work / "train.jsonl", "w") as f:
+        for i in range(24):
+            n, p = rng.randrange(40, 90), rng.randrange(5, 20)
+            ids = [rng.randrange(10, 1000) for _ in range(n)]
+            f.write(
+                json.dumps({"id": f"s{i:03d}", "input_ids": ids, "loss_mask": [0] * p + [1] * (n - p)}) + "\n"
+            )
+    return generate_hidden_states(tiny_model_dir, work / "train.jsonl", LAYERS, work, "cpu", in_process=True)
+
+
+def test_the_peers_own_dataset_reads_our_samples_bit_for_bit_and_trains_on_ours(store, tmp_path):
+    from speculators.train.data import ArrowDataset
+
+    from hsgen.store import HiddenStateStore
+    from spectrain.data import split_of
+
+    out = tmp_path / "peer-data"
+    facts = write_peer_data(store, [1, 3, 4], out, VAL)
+    ours = HiddenStateStore.open(store)
+    train_ids = sorted(i for i in ours.sample_ids() if split_of(i, VAL) == "train")  # our trainer's order
+    assert 0 < facts["train_rows"] == len(train_ids) < len(ours.sample_ids())
+    peer_train = ArrowDataset(512, out, train_ratio=facts["train_data_ratio"], split="train",
+                              hidden_states_dtype=torch.float32, on_missing="raise")  # fmt: skip
+    peer_val = ArrowDataset(512, out, train_ratio=facts["train_data_ratio"], split="val",
+                            hidden_states_dtype=torch.float32, on_missing="raise")  # fmt: skip
+    assert len(peer_train) == len(train_ids) and len(peer_val) == facts["val_rows"]
+    assert facts["row_ids"][: len(train_ids)] == train_ids
+    for row, sid in enumerate(facts["row_ids"][: len(peer_train)]):
+        theirs, sample = peer_train[row], ours.read(sid)
+        states = torch.from_numpy(sample.hidden_states)
+        assert torch.equal(theirs["hidden_states"], states[:, [0, 2]].flatten(1))  # layers 1 and 3
+        assert torch.equal(theirs["verifier_last_hidden_states"], states[:, 3])  # layer 4, the last
+        assert torch.equal(theirs["input_ids"], torch.from_numpy(sample.token_ids.astype(np.int64)))
+        assert torch.equal(theirs["loss_mask"], torch.from_numpy(sample.loss_mask.astype(np.int64)))
+
+
+def test_the_peers_trainer_trains_a_draft_spectrain_eval_decodes_exactly(store, tmp_path, tiny_model_dir):
+    from quality_peer import train_peer
+
+    size = dataclasses.replace(SIZES["quick"], draft_epochs=1, draft_seq_len=256, dflash_max_anchors=32,
+                               num_eval_prompts=2, eval_new_tokens=12)  # fmt: skip
+    final, summary = train_peer("dflash", size, tiny_model_dir, store, [1, 2, 3], tmp_path, "cpu", 1e-3, VAL)
+    assert (
+        final == tmp_path / "peer-train-dflash" / "0" and summary["step"] > 0 and summary["train_flops"] > 0
+    )
+    assert {"--draft-attn-impl", "--loss-implementation"} <= set(summary["command"])
+    config = json.loads((final / "config.json").read_text())
+    assert (config["speculators_model_type"], config["block_size"]) == ("dflash", size.dflash_block_size)
+    assert not (tmp_path / "peer-data-dflash").exists()  # the copy of the store is removed once trained
+    prompts = tmp_path / "eval.jsonl"
+    prompts.write_text(
+        "".join(json.dumps({"id": f"e{i}", "input_ids": [20 + i, 30, 40, 50]}) + "\n" for i in range(2))
+    )
+    report = evaluate_draft(final, tiny_model_dir, prompts, size, "cpu")
+    assert report["exact_match"] is True and len(report["per_prompt"]) == 2
+
+
+def _rows(taus_steps: list[tuple[int, int]]) -> list[dict]:
+    return [{"id": f"p{i}", "new_tokens": n, "steps": s} for i, (n, s) in enumerate(taus_steps)]
+
+
+def test_paired_difference_and_its_interval():
+    a = _rows([(30, 10), (40, 10), (20, 10), (35, 10)])
+    same = quality_stats.paired(a, a)
+    assert same["diff"] == 0 and same["ci"] == [0, 0]
+    b = _rows([(20, 10), (30, 10), (10, 10), (25, 10)])  # one token per step fewer on every prompt
+    d = quality_stats.paired(a, b)
+    assert d["diff"] == pytest.approx(1.0) and d["ci"] == [pytest.approx(1.0), pytest.approx(1.0)]
+    noisy = _rows([(20, 10), (45, 10), (10, 10), (30, 10)])
+    n = quality_stats.paired(a, noisy)
+    assert n["ci"][0] < n["diff"] < n["ci"][1]
+    pooled = quality_stats.pooled([(a, b), (a, a)])
+    assert pooled["diff"] == pytest.approx(0.5) and pooled["min_diff"] == 0
+    with pytest.raises(ValueError, match="not of the same prompts"):
+        quality_stats.paired(a, a[:3])
