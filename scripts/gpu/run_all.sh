@@ -19,6 +19,9 @@
 #             step: tokens/s and data_wait_fraction); the store (5 GB: too big to carry) is written
 #             on the host's cores in the background from the start, while the GPU parts run
 #   serve     `hsgen serve --device cuda` of the carried tiny model, `hsgen generate` of 8 chats, verify
+#   multi     `spectrain train` under torchrun three times on serve's store: NCCL over the GPUs when there
+#             are two or more (else two gloo ranks on the host); fails unless every run exits 0 with a
+#             complete checkpoint (issue 30: distributed runs end cleanly)
 #   compiled  bench_train.py with the training forward compiled (AdamW, 5 steps), one process per draft
 #   data      with the time left (not at the tiny shape): bench_loader.py and bench_online.py's
 #             realistic mode, 4 reader threads, on the GPU host's cores (issue 14's ceiling)
@@ -29,7 +32,7 @@
 # $OUT (default ./gpu-results) gets summary.json (our figures, the peer's, the ratios, and `parts`:
 # how each part ended), parts.jsonl, run_all.log and logs.tar.gz (every part's logs and JSON).
 # TINY=1 DEVICE=cpu runs the same parts at a tiny shape on CPU (tests; the peer is skipped when
-# .gpu-carry/peer-bench is absent). PARTS picks parts (default "eager peer train serve compiled
+# .gpu-carry/peer-bench is absent). PARTS picks parts (default "eager peer train serve multi compiled
 # data vllm"), e.g. PARTS="compiled data" for a rerun of what a first run did not reach.
 set -u
 trap '' PIPE  # a closed stderr must not kill the run: everything also goes to files
@@ -43,7 +46,7 @@ TINY=${TINY:-0}
 CARRY=${CARRY:-$ROOT/.gpu-carry}
 DEADLINE=${DEADLINE:-540}
 RESERVE=10  # seconds kept back from every bound for the records and the last publish
-PARTS=" ${PARTS:-eager peer train serve compiled data vllm} "
+PARTS=" ${PARTS:-eager peer train serve multi compiled data vllm} "
 want() { [[ "$PARTS" == *" $1 "* ]]; }
 mkdir -p "$OUT" "$WORK/logs"
 LOG=$OUT/run_all.log
@@ -197,6 +200,17 @@ fi
 
 if want serve; then
   part serve "${SERVE_TIMEOUT:-60}" 5 "$WORK/logs/serve.json" bash scripts/gpu/serve_smoke.sh "$WORK/serve" "$DEVICE"
+fi
+
+if ! want multi; then
+  :
+elif [ -d "$WORK/serve/store" ]; then
+  part multi "${MULTI_TIMEOUT:-120}" 10 "$WORK/logs/multi.json" bash scripts/gpu/multi_rank.sh "$WORK/serve/store" \
+    "$("$PY" -c 'from hsgen.tiny import ensure_tiny_model; print(ensure_tiny_model())')" "$WORK/multi" "$DEVICE"
+  cp "$WORK"/multi/run-*.log "$WORK/logs/" 2>/dev/null
+else
+  log "multi skipped: no store from the serve part"
+  record multi skipped 0 0
 fi
 
 if want compiled; then

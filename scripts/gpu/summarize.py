@@ -8,7 +8,7 @@ Reads ``WORKDIR/logs``: ``ours-dflash.json``, ``ours-eagle3.json``, ``ours-dspar
 ``ours-compiled-*.json`` (bench_train.py's last complete JSON line, eager and ``--compile on``;
 a part cut by its bound leaves the line of what it finished), ``peer/results.jsonl`` (the peer's bench, one object per model),
 ``train-metrics.jsonl`` (spectrain train's per-step records; the first two steps are warm-up and
-not counted), ``serve.json``, ``vllm.json`` (bench_vllm_parity.py), ``loader.json`` and ``online.json`` (the data path benchmarks), and
+not counted), ``serve.json``, ``multi.json`` (multi_rank.sh: torchrun's exit codes), ``vllm.json`` (bench_vllm_parity.py), ``loader.json`` and ``online.json`` (the data path benchmarks), and
 ``parts.jsonl`` (how each part of run_all.sh ended: ``parts``). Missing parts are null; the ratios
 are ours / the peer's from the same run, and compiled / eager for ``*_compile_speedup``.
 
@@ -107,6 +107,7 @@ def summarize(work: Path) -> dict:
         if timed else None,
     }  # fmt: skip
     out["serve"] = _last_json(logs / "serve.json")
+    out["multi"] = _last_json(logs / "multi.json")  # torchrun's exit codes and checkpoints (issue 30)
     out["vllm"] = _last_json(logs / "vllm.json")  # served acceptance against spectrain eval (DSpark included)
     loader = _last_json(logs / "loader.json") or {}
     online = _last_json(logs / "online.json") or {}

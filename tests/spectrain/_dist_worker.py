@@ -30,11 +30,10 @@ def run_rank(rank: int, world: int, port: int, cfg_dict: dict, out_dir: str) -> 
     for k in sorted(state):
         h.update(k.encode())
         h.update(state[k].detach().float().cpu().numpy().tobytes())
-    Path(out_dir, f"rank{rank}.json").write_text(
-        json.dumps({"digest": h.hexdigest(), "plan": plan, "step": summary["step"]})
-    )
-    trainer.close()
-    dist.destroy_process_group()
+    trainer.close()  # the trainer made the process group: it destroys it, as the command does
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(
+        {"digest": h.hexdigest(), "plan": plan, "step": summary["step"], "torn_down": not dist.is_initialized()}
+    ))  # fmt: skip
 
 
 def metrics_rank(rank: int, world: int, port: int, algorithm: str, empty: str, out_dir: str) -> None:
@@ -95,5 +94,8 @@ def control_rank(rank: int, world: int, port: int, out_dir: str) -> None:
         "control_backend": None if info.control is None else dist.get_backend(info.control),
         "min_each": distributed.all_min_each([rank + 1, 10 - rank], info),
     }
+    distributed.teardown_distributed(info, clean=True)
+    result["control_destroyed"] = info.control is None
+    result["default_kept"] = dist.is_initialized()  # the caller's group stays the caller's
     Path(out_dir, f"control{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()

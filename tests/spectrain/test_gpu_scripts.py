@@ -122,6 +122,14 @@ def test_run_all_at_a_tiny_shape_on_cpu(tmp_path):
     assert s["peer_dflash_tokens_per_s"] is None
     assert s["train"]["steps"] == 4 and s["train"]["tokens_per_s_median"] > 0
     assert s["serve"]["verify"]["ok"] and s["serve"]["generate"]["stored"] == 8
+    assert s["multi"] == {
+        "multi_backend": "gloo",
+        "multi_ranks": 2,
+        "multi_exit_codes": [0, 0, 0],
+        "multi_complete_checkpoints": [True] * 3,
+        "multi_aborted": [False] * 3,
+        "multi_ok": True,
+    }
     assert set(s["data_path"].values()) == {None}  # part 5 is skipped at the tiny shape
     assert all(p["rc"] == 0 for name, p in s["parts"].items() if name not in ("peer", "loader", "vllm")), s[
         "parts"

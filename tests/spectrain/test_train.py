@@ -239,6 +239,7 @@ def test_two_process_gloo(tiny_store, tiny_model_dir, tmp_path, strategy):
     r1 = json.loads((tmp_path / "rank1.json").read_text())
     assert r0["digest"] == r1["digest"], "ranks diverged"
     assert r0["step"] == r1["step"] > 0
+    assert r0["torn_down"] and r1["torn_down"], "Trainer.close destroys the process group it made"
     assert not set(r0["plan"]) & set(r1["plan"])
     st = _state(tmp_path / "run" / (tmp_path / "run" / "latest").read_text().strip())
     assert st["loop"]["world_size"] == 2 and len(st["loop"]["positions"]) == 2
@@ -283,6 +284,7 @@ def test_per_step_decisions_use_a_host_group_beside_nccl(tmp_path):
         r = json.loads((tmp_path / f"control{rank}.json").read_text())
         assert r["control_backend"] == "gloo"
         assert r["min_each"] == [1, 9]
+        assert r["control_destroyed"] and r["default_kept"]
 
 
 def test_no_save_final_writes_no_checkpoint(tiny_store, tiny_model_dir, tmp_path):

@@ -1,8 +1,9 @@
 """Distributed set-up under torchrun: the process group, the host-side control group, the
-collectives the loop decides with, and the DDP / FSDP2 wrapping of the draft."""
+collectives the loop decides with, the DDP / FSDP2 wrapping of the draft, and the teardown."""
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -14,6 +15,8 @@ if TYPE_CHECKING:
     from spectrain.models.registry import DraftModel
     from spectrain.train_config import TrainConfig
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class DistInfo:
@@ -22,6 +25,9 @@ class DistInfo:
     local_rank: int = 0
     control: Any = None
     """The process group of host-side decisions (gloo; None: the default group is gloo already)."""
+    owns_default: bool = False
+    """Whether :func:`init_distributed` created the default group (then :func:`teardown_distributed`
+    destroys it; a group the caller made is the caller's)."""
 
     @property
     def enabled(self) -> bool:
@@ -37,12 +43,43 @@ def init_distributed(device: torch.device) -> DistInfo:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return DistInfo()
-    if not dist.is_initialized():
+    owns = not dist.is_initialized()
+    if owns:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     # per-step decisions (out of data? a stop signal?) go over gloo on host tensors: an NCCL
     # collective read back with .tolist() would wait for every queued kernel each step
     control = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
-    return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")), control)
+    return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")), control,
+                    owns_default=owns)  # fmt: skip
+
+
+def teardown_distributed(info: DistInfo, *, clean: bool) -> None:
+    """Undo :func:`init_distributed` on this rank: the control group, then the default group if it
+    made it; idempotent, a no-op on one process.
+
+    ``clean`` (every rank ended the same way: finished, out of data, stopped by a signal): a
+    barrier first, so no rank closes its connections while a peer still reads from them. After
+    an error no barrier (a peer may be gone or stuck elsewhere): the groups are destroyed at once.
+
+    Destroying the groups joins their worker threads. Left to the interpreter's exit, a gloo
+    worker may still hold the last collective's tensors when finalization starts; freeing them
+    then needs the GIL, the thread is ended inside C++, and the process aborts (SIGABRT,
+    "terminate called without an active exception") after the run has finished and saved.
+    """
+    if not info.enabled or not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        if clean:
+            dist.barrier(group=info.control)
+    except Exception as e:  # a peer that is gone: tear down regardless, the exit code tells
+        log.warning("rank %d: the closing barrier failed (%s); tearing down regardless", info.rank, e)
+    finally:
+        if info.control is not None:
+            dist.destroy_process_group(info.control)
+            info.control = None
+        if info.owns_default and dist.is_initialized():
+            dist.destroy_process_group()
+        info.owns_default = False
 
 
 def resolve_device(cfg: TrainConfig) -> torch.device:

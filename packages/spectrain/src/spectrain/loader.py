@@ -440,6 +440,10 @@ def _to_device(host: Batch, device: torch.device) -> Batch:
                  plan_start=host.plan_start, plan_end=host.plan_end, num_tokens=n)  # fmt: skip
 
 
+JOIN_TIMEOUT_S = 60.0
+"""How long closing a loader waits for each of its threads (one read or one copy) before it warns."""
+
+
 class LoaderRun:
     """One pass of a :class:`PackedLoader`: an iterator of batches fed by background threads.
 
@@ -542,7 +546,9 @@ class LoaderRun:
             self._put(self._out, e)
 
     def close(self) -> None:
-        """Stop the background threads (idempotent)."""
+        """Stop the background threads and wait for them (idempotent): the queued reads are
+        cancelled, the ones under way finish. No thread of the run is left to hold tensors while
+        the interpreter exits."""
         if self._done:
             return
         self._done = True
@@ -551,10 +557,13 @@ class LoaderRun:
             with contextlib.suppress(queue.Empty):
                 while True:
                     q.get_nowait()
+        self._pool.shutdown(wait=False, cancel_futures=True)
         for t in self._threads:
             if t is not threading.current_thread():
-                t.join(timeout=1.0)
-        self._pool.shutdown(wait=False, cancel_futures=True)
+                t.join(timeout=JOIN_TIMEOUT_S)
+                if t.is_alive():
+                    log.warning("loader thread %s still busy %.0f s after the stop", t.name, JOIN_TIMEOUT_S)
+        self._pool.shutdown(wait=True)
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):

@@ -35,7 +35,10 @@ class MetricsLog:
         self.trackers.log(record)
 
     def close(self) -> None:
-        self.trackers.close()
+        """Finish the trackers' runs (idempotent)."""
+        trackers, self.trackers = self.trackers, None
+        if trackers is not None:
+            trackers.close()
 
 
 class MetricSums:

@@ -56,6 +56,7 @@ from spectrain.distributed import (
     gather,
     init_distributed,
     resolve_device,
+    teardown_distributed,
     wrap_model,
 )
 from spectrain.export import export_draft, vllm_refusal
@@ -96,6 +97,7 @@ class Trainer:
                  val_source: SampleSource | None = None):  # fmt: skip
         cfg.validate()
         self.cfg = cfg
+        self._closed = False
         self.cache_summary: dict[str, Any] | None = None
         if cfg.hidden_states_path:  # a speculators cache: imported into (or reused as) cfg.store first
             from spectrain.speculators_cache import prepare
@@ -105,17 +107,16 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.info = init_distributed(self.device)
-        self.save_path = Path(cfg.save_path)
-        if self.info.is_main:
-            self.save_path.mkdir(parents=True, exist_ok=True)
-        self.amp = cfg.precision == "bf16" or (cfg.precision == "auto" and self.device.type == "cuda")
-        random.seed(cfg.seed)
-        np.random.seed(cfg.seed)
-        torch.manual_seed(cfg.seed)
-
-        self.source = source if source is not None else build_source(cfg, self.info)
-        self.val_source = None
-        try:  # a run that fails to start releases its sources (fetch threads, scratch store) at once
+        self.source = self.val_source = None
+        try:  # a run that fails to start releases its sources (fetch threads, scratch store) and groups
+            self.save_path = Path(cfg.save_path)
+            if self.info.is_main:
+                self.save_path.mkdir(parents=True, exist_ok=True)
+            self.amp = cfg.precision == "bf16" or (cfg.precision == "auto" and self.device.type == "cuda")
+            random.seed(cfg.seed)
+            np.random.seed(cfg.seed)
+            torch.manual_seed(cfg.seed)
+            self.source = source if source is not None else build_source(cfg, self.info)
             self.val_source = (
                 val_source if val_source is not None else validation_source(cfg, self.source, self.info)
             )
@@ -323,6 +324,7 @@ class Trainer:
         refused = 0
         stop = False
         summary: dict[str, Any] = {}
+        batches = None
         try:
             while self.epoch < cfg.epochs and not stop:
                 plan = self._plan(self.epoch)
@@ -394,6 +396,8 @@ class Trainer:
                 self.save()
             self.checks.check()
         finally:
+            if batches is not None:  # an error mid-epoch: the loader's threads stop and are joined here
+                batches.close()
             bar.close()
             self.metrics.close()
         summary.update(
@@ -484,17 +488,20 @@ class Trainer:
         n = 0
         plan = self.val_source.plan(0)
         batches = iter(self._loader(self.val_source, plan, 0))
-        while True:
-            limit = self.cfg.val_max_sequences is not None and n >= self.cfg.val_max_sequences
-            b = None if limit else next(batches, None)
-            if all_min(int(b is not None), self.info) == 0:
-                break
-            b = b.to(self.device, non_blocking=True)
-            with self._autocast():
-                _, metrics = self.module(b, step_generator(self.cfg.seed, 0, self.info.rank, n, self.device))
-            sums.add(metrics)
-            n += 1
-        batches.close()
+        try:
+            while True:
+                limit = self.cfg.val_max_sequences is not None and n >= self.cfg.val_max_sequences
+                b = None if limit else next(batches, None)
+                if all_min(int(b is not None), self.info) == 0:
+                    break
+                b = b.to(self.device, non_blocking=True)
+                gen = step_generator(self.cfg.seed, 0, self.info.rank, n, self.device)
+                with self._autocast():
+                    _, metrics = self.module(b, gen)
+                sums.add(metrics)
+                n += 1
+        finally:
+            batches.close()
         rec = {"split": "validation", "step": self.global_step, "epoch": self.epoch, "sequences": n,
                **sums.summary(self.info)}  # fmt: skip
         self.metrics.write(rec)
@@ -556,13 +563,27 @@ class Trainer:
         return final
 
     def close(self, discard: bool = False) -> None:
-        """Release the sources; ``discard`` (a run that failed) also removes their scratch stores."""
-        for src in (self.source, self.val_source):
-            if src is None:
-                continue
-            if discard and hasattr(src, "discard_scratch"):
-                src.discard_scratch()
-            src.close()
+        """End what the run holds on this rank, in order (idempotent): the sources (their threads
+        joined; ``discard``, a run that failed, also removes their scratch stores), the trackers,
+        then the process groups (:func:`~spectrain.distributed.teardown_distributed`: after a clean
+        end behind a barrier, after a failure at once)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            for src in (getattr(self, "source", None), getattr(self, "val_source", None)):
+                if src is None:
+                    continue
+                if discard and hasattr(src, "discard_scratch"):
+                    src.discard_scratch()
+                src.close()
+            metrics = getattr(self, "metrics", None)
+            if metrics is not None:
+                metrics.close()
+        finally:
+            info = getattr(self, "info", None)
+            if info is not None:
+                teardown_distributed(info, clean=not discard)
 
 
 def train(
