@@ -502,6 +502,12 @@ def translate(argv: list[str], command: click.Command) -> Translation:
         expanded = config_tokens(args[i + 1])
         if expanded is not None:
             args = [*expanded, *args[:i], *args[i + 2 :]]
+    names = {a.partition("=")[0] for a in args}
+    if "--verifier-name-or-path" in names and not names & {"--speculator-type", "--from-pretrained"}:
+        t.context["--speculator-type"] = "eagle3"  # a speculators line: its default algorithm
+        t.tokens += ["--speculator-type", "eagle3"]
+        t.notes.append("--speculator-type: not given on a speculators line (--verifier-name-or-path): eagle3, "
+                       "speculators' default")  # fmt: skip
     i = 0
     while i < len(args):
         tok = args[i]
