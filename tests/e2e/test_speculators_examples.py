@@ -226,7 +226,8 @@ def test_the_offline_example_end_to_end(tmp_path, verifier, sample_chats_path):
     res = _train(*args["train"], "--dry-run")
     assert (
         res.exit_code == 1
-        and f"no hidden states for 4 of its {n + 4} rows" in res.output.strip().splitlines()[-1]
+        and f"no hidden states in {out / 'hidden_states'} for 4 of its {n + 4} rows (rows {n}, "
+        in res.output.strip().splitlines()[-1]
     )
 
 

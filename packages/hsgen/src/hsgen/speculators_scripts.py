@@ -120,9 +120,6 @@ def prepare_data(ctx: click.Context) -> None:
         click.echo(ctx.get_help())
         return
     a = _parse(_prepare_parser(), "prepare-data", ctx.args)
-    from hsgen.cli_options import make_renderer
-    from hsgen.render import RenderedPrompt, render_stream
-
     output = Path(a.output)
     if output.is_dir() and any(output.glob("*.arrow")):
         if not a.overwrite:
@@ -134,6 +131,24 @@ def prepare_data(ctx: click.Context) -> None:
         if strays:
             raise click.UsageError(f"--overwrite: {output} holds other files ({', '.join(strays[:3])}); "
                                    "remove them or choose another --output")  # fmt: skip
+    try:
+        rows, few = _render_rows(a)
+    except ValueError as e:  # the input's, the renderer's or the datasets library's error, in one line
+        raise click.ClickException(str(e)) from None
+    if not rows["seq_len"] and not a.allow_empty_output:
+        raise click.ClickException(f"--data {' '.join(a.data)}: no sample left to write "
+                                   f"({few} under --minimum-valid-tokens); --allow-empty-output writes it anyway")  # fmt: skip
+    _save_dataset(rows, output)
+    click.echo(json.dumps({"output": str(output), "samples": len(rows["seq_len"]),
+                           "tokens": sum(rows["seq_len"]), "dropped_minimum_valid_tokens": few}))  # fmt: skip
+
+
+def _render_rows(a: argparse.Namespace) -> tuple[dict[str, list], int]:
+    """The prepared rows of every ``--data`` input (the first ``--max-samples`` in all) and how many
+    ``--minimum-valid-tokens`` dropped."""
+    from hsgen.cli_options import make_renderer
+    from hsgen.render import RenderedPrompt, render_stream
+
     inputs = [dataset_input(d, a.max_samples) for d in a.data]
     renderer = make_renderer(a.model, a.chat_template, None, a.seq_length, "truncate")
     rows: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": []}
@@ -149,26 +164,23 @@ def prepare_data(ctx: click.Context) -> None:
         rows["input_ids"].append(list(rec.token_ids))
         rows["loss_mask"].append(list(rec.loss_mask))
         rows["seq_len"].append(len(rec.token_ids))
-    if not rows["seq_len"] and not a.allow_empty_output:
-        raise click.ClickException(f"--data {' '.join(a.data)}: no sample left to write "
-                                   f"({few} under --minimum-valid-tokens); --allow-empty-output writes it anyway")  # fmt: skip
-    _save_dataset(rows, output)
-    click.echo(json.dumps({"output": str(output), "samples": len(rows["seq_len"]),
-                           "tokens": sum(rows["seq_len"]), "dropped_minimum_valid_tokens": few}))  # fmt: skip
+    return rows, few
 
 
 def _save_dataset(rows: dict[str, list], output: Path) -> None:
     import shutil
     import tempfile
 
-    import datasets
+    from hsgen.hf_datasets import _datasets
 
-    datasets.disable_progress_bars()
+    datasets = _datasets()
 
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
     try:
-        datasets.Dataset.from_dict(rows).save_to_disk(str(tmp))
+        ids = datasets.Sequence(datasets.Value("int64"))
+        features = datasets.Features({"input_ids": ids, "loss_mask": ids, "seq_len": datasets.Value("int64")})
+        datasets.Dataset.from_dict(rows, features=features).save_to_disk(str(tmp))
         output.mkdir(exist_ok=True)
         for old in output.glob("*.arrow"):
             old.unlink()
@@ -250,11 +262,12 @@ def _offline_parser() -> argparse.ArgumentParser:
 
 
 def _served_model(endpoint: str) -> str | None:
-    import httpx
+    import urllib.request
 
+    url = endpoint.rstrip("/").removesuffix("/v1") + "/v1/models"
     try:
-        r = httpx.get(endpoint.rstrip("/").removesuffix("/v1") + "/v1/models", timeout=30)
-        return r.json()["data"][0]["id"]
+        with urllib.request.urlopen(url, timeout=30) as r:  # noqa: S310 (the user's endpoint)
+            return json.loads(r.read())["data"][0]["id"]
     except Exception:  # noqa: BLE001 (hsgen generate names an unreachable server itself)
         return None
 

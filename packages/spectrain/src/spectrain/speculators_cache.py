@@ -95,12 +95,12 @@ def _use_store(cfg, store: Path, *, plan_only: bool = False) -> dict[str, Any]:
     n = len(rows.ids) if rows is not None else 0
     policy = on_missing(cfg)
     if missing and policy == "raise":
-        raise ValueError(f"{store}: no hidden states for {_rows_line(missing, n)} of {data_dir(cfg)}; --on-missing "
+        raise ValueError(f"{data_dir(cfg)}: no hidden states in {store} for {_rows_line(missing, n)}; --on-missing "
                          "raise: generate them (hsgen generate-offline-data), or --on-missing warn / skip to train "
                          "without them")  # fmt: skip
     if missing and policy == "warn" and not plan_only and os.environ.get("RANK", "0") == "0":
-        log.warning("%s: no hidden states for %s: trained without them (--on-missing warn)", store,
-                    _rows_line(missing, n))  # fmt: skip
+        log.warning("%s: no hidden states in %s for %s: trained without them (--on-missing warn)", data_dir(cfg),
+                    store, _rows_line(missing, n))  # fmt: skip
     cfg.store = str(store)
     return {"hidden_states_path": str(store), "store": str(store), "rows": n, "imported": 0,
             "already_stored": n - len(missing), "skipped": 0, "rows_without_file": len(missing)}  # fmt: skip
