@@ -213,8 +213,8 @@ FLAGS: dict[str, Flag] = dict([
                       _to("--config"), 1)),
     ("--dump-config", Flag("off", "`--dump-config`: print the resolved TrainConfig as JSON (a spectrain "
                            "`--config` file) and exit", _emit("--dump-config"), 0)),
-    _same("--speculator-type", "eagle3", "`--speculator-type`, default dflash (dflash, dspark, eagle3 and "
-          "plugins)"),
+    _same("--speculator-type", "eagle3", "`--speculator-type`, default dflash, eagle3 on a line with "
+          "--verifier-name-or-path (dflash, dspark, eagle3 and plugins)"),
     ("--dry-run", Flag("off (build, save an initial checkpoint, exit)", "`--dry-run`: print the resolved plan "
                        "(steps, tokens, FLOPs, peak memory) and exit; writes nothing", _emit("--dry-run"), 0)),
     _same("--seed", "42", "`--seed`, default 0"),
