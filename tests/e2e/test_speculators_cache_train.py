@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from hsgen.serve.testing import running_server
 
 ROWS = 20
-SIZES = ["--block-size", "4", "--num-layers", "1", "--max-anchors", "16", "--total-seq-len", "512",
+SIZES = ["--speculator-type", "dflash", "--block-size", "4", "--num-layers", "1", "--max-anchors", "16", "--total-seq-len", "512",
          "--target-layer-ids", "1", "2", "3", "--max-steps", "2", "--train-data-ratio", "0.9"]  # fmt: skip
 
 

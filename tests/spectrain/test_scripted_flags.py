@@ -16,7 +16,18 @@ from click.testing import CliRunner
 from spectrain.speculators_flags import translate
 from spectrain.train_cli import build_train_config, train
 
-TINY = ["--block-size", "4", "--num-layers", "1", "--max-anchors", "16", "--total-seq-len", "512"]
+TINY = [
+    "--speculator-type",
+    "dflash",
+    "--block-size",
+    "4",
+    "--num-layers",
+    "1",
+    "--max-anchors",
+    "16",
+    "--total-seq-len",
+    "512",
+]
 
 
 def _cfg(argv):
@@ -24,7 +35,7 @@ def _cfg(argv):
 
 
 def test_the_flags_translate(tmp_path, tiny_store, tiny_model_dir):
-    base = ["--store", str(tiny_store), "--verifier-name-or-path", str(tiny_model_dir), "--save-path",
+    base = ["--store", str(tiny_store), "--speculator-type", "dflash", "--verifier-name-or-path", str(tiny_model_dir), "--save-path",
             str(tmp_path / "r")]  # fmt: skip
     cfg = _cfg([*base, "--run-name", "exp_{rank}", "--checkpoint-freq", "0.5", "--save-best"])
     assert (cfg.run_name, cfg.save_every_epochs, cfg.save_best) == ("exp_{rank}", 0.5, True)

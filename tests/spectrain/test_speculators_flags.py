@@ -78,7 +78,7 @@ def _cfg(argv):
 
 
 def test_translated_flags_keep_speculators_meaning(tmp_path, tiny_store, tiny_model_dir):
-    base = ["--store", str(tiny_store), "--verifier-name-or-path", str(tiny_model_dir), "--save-path",
+    base = ["--store", str(tiny_store), "--speculator-type", "dflash", "--verifier-name-or-path", str(tiny_model_dir), "--save-path",
             str(tmp_path / "r")]  # fmt: skip
     cfg = _cfg(
         [
@@ -123,6 +123,20 @@ def test_translated_flags_keep_speculators_meaning(tmp_path, tiny_store, tiny_mo
     )
     assert cfg.draft["loss_weighting"] == "exp-decay" and cfg.draft["loss_gamma"] == 4.0
     assert cfg.draft["block_attention"] == "causal" and cfg.warmup_steps == 5 and cfg.prefetch == 8
+
+
+def test_a_speculators_line_without_speculator_type_trains_eagle3_as_there(
+    tmp_path, tiny_store, tiny_model_dir
+):
+    ours = ["--store", str(tiny_store), "--save-path", str(tmp_path / "r")]
+    theirs = translate([*ours, "--verifier-name-or-path", str(tiny_model_dir)], train)
+    assert theirs.algorithm == "eagle3" and any("eagle3, speculators' default" in n for n in theirs.notes)
+    assert _cfg([*ours, "--verifier-name-or-path", str(tiny_model_dir)]).speculator_type == "eagle3"
+    assert (
+        _cfg([*ours, "--verifier", str(tiny_model_dir)]).speculator_type == "dflash"
+    )  # our spelling: our default
+    given = _cfg([*ours, "--verifier-name-or-path", str(tiny_model_dir), "--speculator-type=dspark"])
+    assert given.speculator_type == "dspark"
 
 
 def test_dspark_flags(tmp_path, tiny_store, tiny_model_dir):

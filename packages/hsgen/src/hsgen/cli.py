@@ -49,6 +49,18 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "hsgen.speculators_import_cli:import_speculators",
         "Import a hidden-state cache speculators wrote (hs_<row>.safetensors + its dataset) into a store.",
     ),
+    "prepare-data": (
+        "hsgen.speculators_scripts:prepare_data",
+        "speculators' scripts/prepare_data.py, same arguments: a prepared dataset directory.",
+    ),
+    "launch-vllm": (
+        "hsgen.speculators_scripts:launch_vllm",
+        "speculators' scripts/launch_vllm.py, same arguments: vllm serve extracting hidden states.",
+    ),
+    "generate-offline-data": (
+        "hsgen.speculators_scripts:generate_offline_data",
+        "speculators' scripts/data_generation_offline.py, same arguments: the states into a store.",
+    ),
 }
 
 

@@ -49,6 +49,63 @@ def holds_cache(hs_dir: str | Path) -> bool:
     return Path(hs_dir).is_dir() and bool(cache_files(Path(hs_dir)))
 
 
+def is_store(path: str | Path) -> bool:
+    """``path`` is an hsgen store (what ``hsgen generate-offline-data --output`` writes)."""
+    from hsgen.store.store import HEADER_FILE
+
+    return (Path(path) / HEADER_FILE).is_file()
+
+
+def resolve_flags(data: dict[str, Any]) -> None:
+    """``--hidden-states-path`` (or a ``hidden_states/`` cache or store inside a ``--data-path``
+    directory, as speculators reads it) in a TrainConfig dict. Online, the servers write into an
+    explicit ``--hidden-states-path`` that is a cache, not a store (speculators' launch_vllm.py)."""
+    given = data.get("hidden_states_path")
+    if given and data.get("online") and not is_store(given):
+        data["online_options"] = {"shared_dir": str(given), **(data.get("online_options") or {})}
+    prompts = data.get("prompts")
+    found = Path(prompts) / "hidden_states" if prompts else None
+    if not given and found and not data.get("store") and (holds_cache(found) or is_store(found)):
+        data["hidden_states_path"] = str(found)
+        log.info("%s: %s: training from it (--hidden-states-path)", found,
+                 "an hsgen store" if is_store(found) else "a speculators hidden-state cache")  # fmt: skip
+
+
+def _store_rows(cfg, store: Path) -> tuple[Any, list[int], Any]:
+    """The dataset's rows (None when there is no prepared dataset to compare with), the rows the
+    store lacks, and the store."""
+    from hsgen.speculators_import import dataset_rows
+    from hsgen.store import HiddenStateStore
+
+    st = HiddenStateStore.open(store)
+    data = data_dir(cfg)
+    if not cfg.prompts and not (data / "dataset_info.json").is_file():
+        return None, [], st
+    rows = dataset_rows(data)
+    stored = set(st.sample_ids())
+    return rows, [i for i, sid in enumerate(rows.ids) if sid not in stored], st
+
+
+def _use_store(cfg, store: Path, *, plan_only: bool = False) -> dict[str, Any]:
+    """``--hidden-states-path STORE``: trained from as ``--store``; ``--on-missing`` applies to the
+    rows of the prepared dataset the store lacks."""
+    if cfg.store and Path(cfg.store).resolve() != store.resolve():
+        raise ValueError(f"--hidden-states-path {store} is a store and --store {cfg.store} another: give one")
+    rows, missing, _ = _store_rows(cfg, store)
+    n = len(rows.ids) if rows is not None else 0
+    policy = on_missing(cfg)
+    if missing and policy == "raise":
+        raise ValueError(f"{data_dir(cfg)}: no hidden states in {store} for {_rows_line(missing, n)}; --on-missing "
+                         "raise: generate them (hsgen generate-offline-data), or --on-missing warn / skip to train "
+                         "without them")  # fmt: skip
+    if missing and policy == "warn" and not plan_only and os.environ.get("RANK", "0") == "0":
+        log.warning("%s: no hidden states in %s for %s: trained without them (--on-missing warn)", data_dir(cfg),
+                    store, _rows_line(missing, n))  # fmt: skip
+    cfg.store = str(store)
+    return {"hidden_states_path": str(store), "store": str(store), "rows": n, "imported": 0,
+            "already_stored": n - len(missing), "skipped": 0, "rows_without_file": len(missing)}  # fmt: skip
+
+
 def data_dir(cfg) -> Path:
     """The prepared dataset the cache's rows belong to: ``--data-path``, else the cache's parent."""
     return Path(cfg.prompts) if cfg.prompts else Path(cfg.hidden_states_path).resolve().parent
@@ -138,6 +195,8 @@ def prepare(cfg) -> dict[str, Any]:
     from hsgen.speculators_import import ImportError_, import_cache
 
     hs_dir = Path(cfg.hidden_states_path)
+    if is_store(hs_dir):
+        return _use_store(cfg, hs_dir)
     data = data_dir(cfg)
     store = Path(cfg.store) if cfg.store else store_for(hs_dir)
     policy = on_missing(cfg)
@@ -215,6 +274,8 @@ def view(cfg) -> CacheView:
     from hsgen.store.store import HEADER_FILE
 
     hs_dir = Path(cfg.hidden_states_path)
+    if is_store(hs_dir):
+        return _store_view(cfg, hs_dir)
     store = Path(cfg.store) if cfg.store else store_for(hs_dir)
     if not hs_dir.is_dir():
         raise ValueError(f"--hidden-states-path {hs_dir}: no such directory")
@@ -237,3 +298,27 @@ def view(cfg) -> CacheView:
                "rows_without_file": len(missing)}  # fmt: skip
     return CacheView([rows.ids[i] for i in have], {rows.ids[i]: rows.lengths[i] for i in have}, ids,
                      cfg.val_fraction, cfg.seed, summary)  # fmt: skip
+
+
+class _StoreView(CacheView):
+    """A store given as ``--hidden-states-path``, planned from its manifest like ``--store``."""
+
+    def __init__(self, source, layer_ids: list[int], summary: dict[str, Any]):
+        self.source, self.layer_ids, self.summary = source, layer_ids, summary
+
+    def plan(self, epoch: int) -> list[str]:
+        return self.source.plan(epoch)
+
+    def lengths(self, sample_ids: Sequence[str]) -> list[int]:
+        return self.source.lengths(sample_ids)
+
+
+def _store_view(cfg, store: Path) -> CacheView:
+    from hsgen.store import HiddenStateStore
+    from spectrain.data import StoreSource
+
+    summary = _use_store(cfg, store, plan_only=True)
+    source = StoreSource(
+        str(store), split="train", val_fraction=cfg.val_fraction, seed=cfg.seed, verify=False
+    )
+    return _StoreView(source, list(HiddenStateStore.open(store).header.layer_ids), summary)

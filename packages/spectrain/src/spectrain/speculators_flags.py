@@ -213,8 +213,8 @@ FLAGS: dict[str, Flag] = dict([
                       _to("--config"), 1)),
     ("--dump-config", Flag("off", "`--dump-config`: print the resolved TrainConfig as JSON (a spectrain "
                            "`--config` file) and exit", _emit("--dump-config"), 0)),
-    _same("--speculator-type", "eagle3", "`--speculator-type`, default dflash (dflash, dspark, eagle3 and "
-          "plugins)"),
+    _same("--speculator-type", "eagle3", "`--speculator-type`, default dflash, eagle3 on a line with "
+          "--verifier-name-or-path (dflash, dspark, eagle3 and plugins)"),
     ("--dry-run", Flag("off (build, save an initial checkpoint, exit)", "`--dry-run`: print the resolved plan "
                        "(steps, tokens, FLOPs, peak memory) and exit; writes nothing", _emit("--dry-run"), 0)),
     _same("--seed", "42", "`--seed`, default 0"),
@@ -502,6 +502,12 @@ def translate(argv: list[str], command: click.Command) -> Translation:
         expanded = config_tokens(args[i + 1])
         if expanded is not None:
             args = [*expanded, *args[:i], *args[i + 2 :]]
+    names = {a.partition("=")[0] for a in args}
+    if "--verifier-name-or-path" in names and not names & {"--speculator-type", "--from-pretrained"}:
+        t.context["--speculator-type"] = "eagle3"  # a speculators line: its default algorithm
+        t.tokens += ["--speculator-type", "eagle3"]
+        t.notes.append("--speculator-type: not given on a speculators line (--verifier-name-or-path): eagle3, "
+                       "speculators' default")  # fmt: skip
     i = 0
     while i < len(args):
         tok = args[i]

@@ -160,23 +160,9 @@ def build_train_config(params: dict[str, Any]):
 
 
 def _speculators_cache(data: dict[str, Any], params: dict[str, Any]) -> None:
-    """``--hidden-states-path`` (or a ``hidden_states/`` cache inside a ``--data-path`` directory, as
-    speculators reads it): the run imports it into a store and trains from that. Online, the
-    servers write into an explicit ``--hidden-states-path`` (speculators' launch_vllm.py)."""
-    from spectrain.speculators_cache import holds_cache
+    from spectrain.speculators_cache import resolve_flags
 
-    given = data.get("hidden_states_path")
-    if given and data.get("online"):
-        online = dict(data.get("online_options") or {})
-        online.setdefault("shared_dir", str(given))
-        data["online_options"] = online
-    prompts = data.get("prompts")
-    if not given and prompts and not data.get("store") and holds_cache(Path(prompts) / "hidden_states"):
-        data["hidden_states_path"] = str(Path(prompts) / "hidden_states")
-        logging.getLogger("spectrain.train").info(
-            "%s/hidden_states: a speculators hidden-state cache: training from it (--hidden-states-path)",
-            prompts,
-        )
+    resolve_flags(data)
 
 
 TRAIN_SECTIONS: dict[str, tuple[str, ...]] = {
