@@ -178,3 +178,21 @@ def test_a_truncated_chunk_warns_naming_store_shard_and_each_sample(
         assert str(store) in line and shard in line, line
         assert any(repr(sid) in line for sid in damaged), line
     assert {sid for sid in damaged if any(repr(sid) in line for line in warned)} == damaged
+
+
+def test_a_sample_whose_shard_was_deleted_is_skipped_naming_the_store_and_why(tiny_store, tmp_path, caplog):
+    """Issue 33: every skip warning names the store and the sample; one whose shard is gone says so
+    (no shard holds it any more) instead of naming none."""
+    from spectrain.data import StoreSource
+
+    store = tmp_path / "store"
+    shutil.copytree(tiny_store, store)
+    src = StoreSource(store, val_fraction=0.0)
+    sid = src.ids()[0]
+    HiddenStateStore.open(store).delete_shard(src.store.record(sid).shard)
+    src.store.refresh()
+    assert src.locate(sid) is None and src.get(sid) is None
+    warned = [r.getMessage() for r in caplog.records if "skipped, not trained" in r.getMessage()]
+    assert len(warned) == 2, caplog.text
+    for line in warned:
+        assert line.startswith(f"store {store}: sample {sid!r}") and "its shard was deleted" in line, line

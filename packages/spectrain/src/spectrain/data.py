@@ -186,7 +186,8 @@ class StoreSource:
         try:
             return self.store.read(sample_id)
         except KeyError:
-            log.warning("sample %r is no longer in store %s; skipped", sample_id, self.path)
+            log.warning("store %s: sample %r is no longer in it (its shard was deleted): skipped, not trained",
+                        self.path, sample_id)  # fmt: skip
             return None
 
     def locate(self, sample_id: str) -> SampleRead | None:
@@ -194,7 +195,8 @@ class StoreSource:
         try:
             length = self.store.record(sample_id).length
         except KeyError:
-            log.warning("sample %r is no longer in store %s; skipped", sample_id, self.path)
+            log.warning("store %s: sample %r is no longer in it (its shard was deleted): skipped, not trained",
+                        self.path, sample_id)  # fmt: skip
             return None
         return StoreRead(self.store, sample_id, length, verify=self.verify)
 
