@@ -38,8 +38,10 @@ def _finite_export(ckpt) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in load_file(str(ckpt / "model.safetensors")).values())
 
 
-def test_a_flipped_byte_is_skipped_naming_the_sample(tiny_store, tiny_model_dir, tmp_path, caplog):
-    """The loader refuses the damaged sample (its slots become padding), names it, counts it."""
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_flipped_byte_is_skipped_naming_the_sample(tiny_store, tiny_model_dir, tmp_path, caplog, workers):
+    """The loader refuses the damaged sample (its slots become padding), names it, counts it; with
+    DataLoader workers too (issue 33's audit: a worker's checksum failure ended the run)."""
     store = tmp_path / "store"
     shutil.copytree(tiny_store, store)
     st = HiddenStateStore.open(store)
@@ -50,7 +52,9 @@ def test_a_flipped_byte_is_skipped_naming_the_sample(tiny_store, tiny_model_dir,
     raw = bytearray(data.read_bytes())
     raw[rec.offset * row : rec.offset * row + 2] = np.array([0x7FC0], dtype="<u2").tobytes()  # one NaN
     data.write_bytes(bytes(raw))
-    summary = train(small_config(store, tiny_model_dir, tmp_path / "run", val_fraction=0.0))
+    summary = train(
+        small_config(store, tiny_model_dir, tmp_path / "run", val_fraction=0.0, num_workers=workers)
+    )
     assert summary["samples_refused"] == 1
     assert summary["loss"] is not None and np.isfinite(summary["loss"])
     assert repr(victim) in caplog.text and "checksum" in caplog.text
@@ -151,12 +155,15 @@ def test_a_damaged_manifest_line_is_counted_as_lost_and_the_run_exits_non_zero(
     )
 
 
+@pytest.mark.parametrize("workers", [0, 2])
 def test_a_truncated_chunk_warns_naming_store_shard_and_each_sample(
-    tiny_store, tiny_model_dir, tmp_path, caplog
+    tiny_store, tiny_model_dir, tmp_path, caplog, workers
 ):
     """Issue 33: a token_ids chunk cut short warned 'store X: file ends at byte N, M bytes short'
     with no shard and no sample id, while ``hsgen verify`` named the samples; each warning names
-    the store, the shard and the sample now, the same samples verify names."""
+    the store, the shard and the sample now, the same samples verify names. With DataLoader
+    workers (``--num-workers 2``) the same chunk ended the run with a worker's traceback (the
+    audit): the refusal now travels to the main process, which counts and warns."""
     from hsgen.store.verify import verify_report
 
     store = tmp_path / "store"
@@ -170,7 +177,7 @@ def test_a_truncated_chunk_warns_naming_store_shard_and_each_sample(
     chunk.write_bytes(chunk.read_bytes()[:-cut])
     damaged = set(verify_report(HiddenStateStore.open(store)).samples_affected)
     assert damaged == set(last)
-    summary = train(small_config(store, tiny_model_dir, tmp_path / "run"))
+    summary = train(small_config(store, tiny_model_dir, tmp_path / "run", num_workers=workers))
     assert summary["samples_refused"] == 2
     warned = [r.getMessage() for r in caplog.records if "skipped, not trained" in r.getMessage()]
     assert warned, caplog.text
