@@ -8,17 +8,19 @@
    steady-state rate is read from the server's ``vllm:request_success_total`` counter.
 2. Ingest: a server whose files are ready at once (pre-written safetensors files in
    /dev/shm) is drained into a store on disk; hidden-state bytes landed per second are
-   compared with a raw copy of the same bytes from /dev/shm to the same disk (fsync'd), the two
-   interleaved (which goes first alternates per rep). Every rep is reported with the load
-   average, the first-touch speed of new memory after it (the VM's state: see
-   ``docs/benchmarks.md``) and hsgen's seconds per phase; ``ingest_ratio`` is the median of
-   the paired per-rep ratios.
+   compared with a raw copy of the same bytes from /dev/shm to the same disk (fsync'd) and with
+   a direct copy (``O_DIRECT`` through two reused 4 MiB buffers, fsync'd: the disk's own pace,
+   which no page cache slows), the three interleaved (which goes first rotates per rep). Every
+   rep is reported with the load average, the first-touch speed of new memory after it (the
+   VM's state: see ``docs/benchmarks.md``) and hsgen's seconds per phase; ``ingest_ratio`` is
+   the median of the paired per-rep ratios against the raw copy, ``ingest_ratio_direct`` against
+   the direct copy.
 
 Progress goes to stderr; the last stdout line is JSON with ``saturation_min`` (over the
 capacities, the smallest share of the server's step capacity hsgen's default kept in use: busy
 share x batch fill, from the server's own counters), ``throughput_min`` (its completions over
-the capacity model's rate, which also counts steps the shared CPU slowed), ``ingest_ratio`` and
-``ingest_gbps``. A run that stored nothing, failed a sample or ended on a
+the capacity model's rate, which also counts steps the shared CPU slowed), ``ingest_ratio``,
+``ingest_ratio_direct`` and ``ingest_gbps``. A run that stored nothing, failed a sample or ended on a
 fatal error measured nothing: the script says why on stderr and exits 1, printing no figure.
 """
 
@@ -302,10 +304,57 @@ def raw_copy(shared: Path, dest: Path) -> tuple[int, float]:
     return total, time.perf_counter() - t0
 
 
-def hsgen_ingest(url: str, shared: Path, dest: Path, prompts, hidden: int) -> tuple[float, dict]:
+def direct_copy(shared: Path, dest: Path, block: int = 4 << 20) -> tuple[int, float]:
+    """The same bytes copied with ``O_DIRECT`` through two reused page-aligned buffers, one read
+    while the other is written on a thread (the tail past the last block written as usual), each
+    file fsync'd, then the directory: what the disk takes when no page cache is filled."""
+    import mmap
+    from concurrent.futures import ThreadPoolExecutor
+
+    from hsgen.store.fsutil import pwrite_all
+
+    dest.mkdir(parents=True, exist_ok=True)
+    bufs = [mmap.mmap(-1, block) for _ in range(2)]
+    total = 0
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(1) as io:
+        for p in sorted(shared.iterdir()):
+            out = dest / p.name
+            fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            dfd = os.open(out, os.O_WRONLY | getattr(os, "O_DIRECT", 0))
+            pending, cur, offset = None, 0, 0
+            with open(p, "rb", buffering=0) as f:
+                while True:
+                    n = f.readinto(bufs[cur])
+                    if pending is not None:
+                        pending.result()
+                    if n < block:
+                        if n:
+                            pwrite_all(fd, memoryview(bufs[cur])[:n], offset)
+                        offset += n
+                        break
+                    pending = io.submit(pwrite_all, dfd, memoryview(bufs[cur]), offset)
+                    offset += n
+                    cur ^= 1
+            os.fsync(fd)
+            os.close(dfd)
+            os.close(fd)
+            total += offset
+    fd = os.open(dest, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+    dt = time.perf_counter() - t0
+    for b in bufs:
+        b.close()
+    return total, dt
+
+
+def hsgen_ingest(
+    url: str, shared: Path, dest: Path, prompts, hidden: int, codec: str = "raw"
+) -> tuple[float, dict]:
     """Seconds for ``generate`` to land every prompt's ready file in a fresh store at ``dest``, and
     the run's seconds per phase (summed over threads; ``queue`` sums every sample's wait)."""
-    store = HiddenStateStore.create(dest, StoreHeader("ready", (1, 2, 3, 4), hidden, "float16"))
+    store = HiddenStateStore.create(dest, StoreHeader("ready", (1, 2, 3, 4), hidden, "float16", codec=codec))
     cfg = GenerateConfig(
         client=ClientConfig([url], shared_dir=str(shared), delete_files=False), shard_bytes=256 << 20
     )
@@ -335,7 +384,7 @@ def _spread(xs: list[float]) -> dict:
             "min": round(min(xs), 3), "max": round(max(xs), 3), "spread": round(max(xs) / min(xs), 2)}  # fmt: skip
 
 
-def bench_ingest(workdir: Path, quick: bool, reps: int = 5) -> dict:
+def bench_ingest(workdir: Path, quick: bool, reps: int = 5, codec: str = "raw") -> dict:
     """Raw copy and hsgen ingest of the same files, interleaved ``reps`` times (which goes first
     alternates); every rep, the paired ratio, the spread, the load and the phases are reported."""
     tokens, layers, hidden = 2048, 4, 1024  # 16 MiB of float16 hidden states per sample
@@ -348,39 +397,48 @@ def bench_ingest(workdir: Path, quick: bool, reps: int = 5) -> dict:
         hs_bytes = n * tokens * layers * hidden * 2
         server = ReadyServer(files)
         url = server.start()
-        raw_rates, hsgen_rates, loads, touch, phases = [], [], [], [], []
+        raw_rates, direct_rates, hsgen_rates, loads, touch, phases = [], [], [], [], [], []
+        legs = ("raw", "direct", "hsgen")
         for rep in range(reps):
             load = os.getloadavg()[0]
-            order = ("raw", "hsgen") if rep % 2 == 0 else ("hsgen", "raw")
+            order = legs[rep % 3 :] + legs[: rep % 3]
             for which in order:
-                if which == "raw":
-                    total, dt = raw_copy(shared, workdir / "rawcopy")
-                    shutil.rmtree(workdir / "rawcopy")
-                    raw_rates.append(total / dt / 1e9)
+                if which in ("raw", "direct"):
+                    copy = raw_copy if which == "raw" else direct_copy
+                    total, dt = copy(shared, workdir / "copy")
+                    shutil.rmtree(workdir / "copy")
+                    (raw_rates if which == "raw" else direct_rates).append(total / dt / 1e9)
                 else:
-                    dt, ph = hsgen_ingest(url, shared, workdir / "ingest", prompts, hidden)
+                    dt, ph = hsgen_ingest(url, shared, workdir / "ingest", prompts, hidden, codec)
                     shutil.rmtree(workdir / "ingest")
                     hsgen_rates.append(hs_bytes / dt / 1e9)
                     phases.append({"wall": round(dt, 3), **ph})
             loads.append(round((load + os.getloadavg()[0]) / 2, 2))
             touch.append(fresh_touch_gbps())
             log(
-                f"ingest rep {rep} ({' then '.join(order)}): raw copy {raw_rates[-1]:.3f} GB/s, hsgen landed "
-                f"{hsgen_rates[-1]:.3f} GB/s (ratio {hsgen_rates[-1] / raw_rates[-1]:.2f}), load {loads[-1]}, "
+                f"ingest rep {rep} ({' then '.join(order)}): raw copy {raw_rates[-1]:.3f} GB/s, direct copy "
+                f"{direct_rates[-1]:.3f} GB/s, hsgen landed {hsgen_rates[-1]:.3f} GB/s (ratios "
+                f"{hsgen_rates[-1] / raw_rates[-1]:.2f} / {hsgen_rates[-1] / direct_rates[-1]:.2f}), load {loads[-1]}, "
                 f"fresh memory {touch[-1]:.2f} GB/s; phases {json.dumps(phases[-1])}"
             )
         ratios = [h / r for h, r in zip(hsgen_rates, raw_rates, strict=True)]
+        direct = [h / r for h, r in zip(hsgen_rates, direct_rates, strict=True)]
         raw_gbps, gbps = statistics.median(raw_rates), statistics.median(hsgen_rates)
-        log(f"ingest: median raw copy /dev/shm -> disk {raw_gbps:.3f} GB/s, hsgen {gbps:.3f} GB/s, "
-            f"paired ratio median {statistics.median(ratios):.2f} (min {min(ratios):.2f})")  # fmt: skip
+        log(f"ingest: median raw copy /dev/shm -> disk {raw_gbps:.3f} GB/s, direct copy "
+            f"{statistics.median(direct_rates):.3f} GB/s, hsgen {gbps:.3f} GB/s, paired ratio median "
+            f"{statistics.median(ratios):.2f} (min {min(ratios):.2f}) against the raw copy, "
+            f"{statistics.median(direct):.2f} (min {min(direct):.2f}) against the direct copy")  # fmt: skip
         return {
             "ingest_gbps": round(gbps, 3),
             "raw_copy_gbps": round(raw_gbps, 3),
             "ingest_ratio": round(statistics.median(ratios), 3),
+            "ingest_ratio_direct": round(statistics.median(direct), 3),
             "ingest": {
                 "hsgen_gbps": _spread(hsgen_rates),
                 "raw_copy_gbps": _spread(raw_rates),
+                "direct_copy_gbps": _spread(direct_rates),
                 "paired_ratio": _spread(ratios),
+                "paired_ratio_direct": _spread(direct),
                 "load": loads,
                 "fresh_memory_touch_gbps": [round(x, 2) for x in touch],
                 "phases_s": phases,
@@ -405,6 +463,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--skip-saturation", action="store_true")
     ap.add_argument("--skip-ingest", action="store_true")
+    ap.add_argument("--codec", default="raw", choices=["raw", "fp8", "lz4"],
+                    help="the ingest store's codec (default raw; fp8 adds the 'encode' phase, lz4 compresses at the seal)")  # fmt: skip
     ap.add_argument(
         "--workdir", default=None, help="disk directory for stores (default: a temp dir under /tmp)"
     )
@@ -423,14 +483,16 @@ def main() -> None:
             out["saturation_min"] = min(r["hsgen_default_utilisation"] for r in rows)
             out["throughput_min"] = min(r["hsgen_default"] for r in rows)
         if not args.skip_ingest:
-            out.update(bench_ingest(workdir, args.quick, reps=5 if args.quick else 9))
+            out.update(bench_ingest(workdir, args.quick, reps=5 if args.quick else 9, codec=args.codec))
     except NotMeasured as e:
         log(f"bench_generate: not measured: {e}")
         sys.exit(1)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     final = {
-        k: out[k] for k in ("saturation_min", "throughput_min", "ingest_ratio", "ingest_gbps") if k in out
+        k: out[k]
+        for k in ("saturation_min", "throughput_min", "ingest_ratio", "ingest_ratio_direct", "ingest_gbps")
+        if k in out
     }
     log(json.dumps(out))
     print(json.dumps(final))

@@ -24,6 +24,10 @@ def test_redact_url_hides_userinfo_only():
     assert protocol.redact_url(f"https://{KEY}@h") == "https://<redacted>@h"
     assert protocol.redact_url("http://h:8000/a@b") == "http://h:8000/a@b"  # an @ in the path is no userinfo
     assert protocol.redact_url("h:8000") == "h:8000"
+    # issue 33: a key holding an @, and an endpoint without a scheme (the client adds http://)
+    assert protocol.redact_url(f"http://u:p@{KEY}@h:1/v1") == "http://<redacted>@h:1/v1"
+    assert protocol.redact_url(f"u:{KEY}@h:8000") == "<redacted>@h:8000"
+    assert protocol.redact_url("h:8000/a@b") == "h:8000/a@b" and protocol.redact_url("h:1?q=@x") == "h:1?q=@x"
 
 
 def test_client_config_refuses_credentials_in_the_url_without_showing_them():
@@ -74,6 +78,9 @@ ROUTES = {
     "launcher_env": (["--endpoint", "http://user:{key}@127.0.0.1:{port}"], {"WORLD_SIZE": "2", "RANK": "1"}),
     "per_local_rank": (["--endpoint", "http://127.0.0.1:1", "--endpoint", "http://user:{key}@127.0.0.1:{port}",
                         "--endpoint-per-local-rank"], {"LOCAL_RANK": "1"}),
+    # an endpoint without a scheme gets http:// from the client, after the rank's endpoints were logged
+    "bare_template": (["--endpoint", "user:{key}@127.0.0.1:{{{port}+local_rank}}"], {}),
+    "bare_world_size": (["--endpoint", "user:{key}@127.0.0.1:{port}", "--world-size", "2", "--rank", "1"], {}),
 }  # fmt: skip
 
 
@@ -119,6 +126,15 @@ def test_log_lines_carry_no_url_credentials_whatever_logs_them():
 
     assert redact_text(f"a http://u:{KEY}@h:1/x and s3://AKIA:{KEY}@b/p, mail a@b") == (
         "a http://<redacted>@h:1/x and s3://<redacted>@b/p, mail a@b"
+    )
+    # a key holding an @, an endpoint without a scheme (a template's too), an IPv6 host
+    line = f"http://u:p@{KEY}@h:1 ['u:{KEY}@h:8000', 'u:{KEY}@10.0.0.1:{{8000+local_rank}}']"
+    assert (
+        redact_text(line)
+        == "http://<redacted>@h:1 ['<redacted>@h:8000', '<redacted>@10.0.0.1:{8000+local_rank}']"
+    )
+    assert redact_text(f"{KEY}@[::1]:8000 git@github.com:org/repo user@example.com") == (
+        "<redacted>@[::1]:8000 git@github.com:org/repo user@example.com"
     )
     out = io.StringIO()
     handler = logging.StreamHandler(out)

@@ -118,6 +118,21 @@ def test_nothing_naming_the_model_says_in_one_line_which_shape_the_store_takes(t
     assert named.returncode == 0 and _lines(named.stderr) == [], named.stderr  # named: nothing to warn of
 
 
+def test_a_named_model_whose_config_cannot_be_read_is_said_so(tmp_path, hub_cache):
+    """The audit: ``--verifier ORG/NAME`` neither a directory nor in the hub cache (offline here; a
+    hub out of reach does the same after its retries) made the store from the first file with the
+    line 'nothing names the model (pass --verifier ...)', to a user who had passed --verifier."""
+    shared = tmp_path / "shm"
+    with FakeVLLM(FakeConfig(str(shared), hidden=8)).in_thread() as url:
+        r, _ = _generate(tmp_path, url, shared, "--layer-ids", LAYERS, "--verifier", "org/not-cached",
+                         "--log-level", "WARNING")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    lines = _lines(r.stderr)
+    assert len(lines) == 1, r.stderr
+    assert "hidden size 8 and float32 from the servers' first file" in lines[0], lines[0]
+    assert "--verifier org/not-cached gave no config.json" in lines[0] and "nothing names" not in lines[0]
+
+
 def test_an_existing_store_says_its_own_figures_are_the_stores(tmp_path):
     shared = tmp_path / "shm"
     HiddenStateStore.create(tmp_path / "store", StoreHeader("fake-model", (1, 2, 4), 64, "float32"))

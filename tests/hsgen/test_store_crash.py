@@ -28,10 +28,11 @@ import sys
 from hsgen.store import HiddenStateStore, StoreHeader
 from hsgen.store.synthetic import make_sample
 path, writer_id, start, stop, codec = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
-header = StoreHeader(verifier="tiny", layer_ids=(0, 3), hidden_size=64, dtype="bfloat16", codec=codec)
+hidden, shard_rows = int(sys.argv[6]), int(sys.argv[7])
+header = StoreHeader(verifier="tiny", layer_ids=(0, 3), hidden_size=hidden, dtype="bfloat16", codec=codec)
 store = HiddenStateStore.create(path, header)
 print("READY", flush=True)
-with store.writer(None if writer_id == "-" else writer_id, shard_bytes=24 * header.row_bytes, chunk_bytes=2048) as w:
+with store.writer(None if writer_id == "-" else writer_id, shard_bytes=shard_rows * header.row_bytes, chunk_bytes=2048) as w:
     known = len(store)
     for i in range(start, stop):
         sid = f"s{i}"
@@ -46,13 +47,20 @@ print("DONE", flush=True)
 """
 
 
-def spawn(path: Path, writer_id: str, start: int, stop: int, *, codec="raw", failpoint: str | None = None):
+def spawn(path: Path, writer_id: str, start: int, stop: int, *, codec="raw", failpoint: str | None = None,
+          hidden: int = 64, shard_rows: int = 24):  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("HSGEN_STORE_FAILPOINT", None)
     if failpoint:
         env["HSGEN_STORE_FAILPOINT"] = failpoint
     return subprocess.Popen(
-        [sys.executable, "-c", WRITER, str(path), writer_id, str(start), str(stop), codec],
+        [
+            sys.executable,
+            "-c",
+            WRITER,
+            str(path),
+            *map(str, (writer_id, start, stop, codec, hidden, shard_rows)),
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -146,6 +154,56 @@ def test_kill_9_at_each_commit_step(tmp_path, point):
     store = check_store(path, before)
     assert set(store.sample_ids()) == {f"s{i}" for i in range(60)}
     assert store.gc()["removed_uncommitted"] == 0
+
+
+def _takes_direct_io(path: Path) -> bool:
+    path.mkdir(parents=True, exist_ok=True)
+    try:
+        os.close(os.open(path / ".direct-probe", os.O_WRONLY | os.O_CREAT | getattr(os, "O_DIRECT", 0)))
+    except OSError:
+        return False
+    finally:
+        (path / ".direct-probe").unlink(missing_ok=True)
+    return hasattr(os, "O_DIRECT")
+
+
+BIG = {"hidden": 8192, "shard_rows": 384}
+"""Rows of 32 KiB, shards of 12 MiB: each shard's rows go out in several 4 MiB ``O_DIRECT`` blocks
+(the samples above are too small to fill one block, so their rows are only written at the seal)."""
+
+
+def test_kill_9_while_rows_go_out_with_o_direct_then_verify_and_resume(tmp_path):
+    """Issue 33: the writer lands rows through staging buffers written with ``O_DIRECT`` while the
+    shard fills. A kill right after a block went out (the failpoint), and at random moments while
+    blocks are written, leaves a store that opens, verifies, holds every durable sample bit for bit
+    and resumes; the half-written shard is a ``.tmp-`` directory that the next writer removes."""
+    path = tmp_path / "store"
+    if not _takes_direct_io(tmp_path / "probe"):
+        pytest.skip(f"{tmp_path} does not take O_DIRECT")
+    finish(spawn(path, "w", 0, 60, **BIG))
+    before = set(HiddenStateStore.open(path).sample_ids())
+    proc = spawn(path, "w", 60, 120, failpoint="rows_block_written", **BIG)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == -signal.SIGKILL, "no rows block was written with O_DIRECT"
+    assert durable_ids(out) == set()
+    store = check_store(path, before)
+    assert set(store.sample_ids()) == before
+    assert store.gc(dry_run=True)["removed_temp"] >= 1  # the shard being filled, one block in
+    rng = random.Random(33)
+    durable = set(before)
+    for _ in range(3):
+        proc = spawn(path, "w", 60, 200, **BIG)
+        assert proc.stdout.readline().strip() == "READY"
+        time.sleep(rng.uniform(0.05, 0.6))
+        proc.send_signal(signal.SIGKILL)
+        out, _ = proc.communicate(timeout=600)
+        durable |= durable_ids(out)
+        check_store(path, durable)
+    finish(spawn(path, "w", 60, 200, **BIG))
+    store = check_store(path, durable)
+    assert set(store.sample_ids()) == {f"s{i}" for i in range(200)}
+    store.gc()
+    assert not [p for p in (path / "shards").rglob("*") if ".tmp-" in p.name]
 
 
 def test_kill_9_between_tombstone_and_unlink(tmp_path):

@@ -38,8 +38,10 @@ def _finite_export(ckpt) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in load_file(str(ckpt / "model.safetensors")).values())
 
 
-def test_a_flipped_byte_is_skipped_naming_the_sample(tiny_store, tiny_model_dir, tmp_path, caplog):
-    """The loader refuses the damaged sample (its slots become padding), names it, counts it."""
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_flipped_byte_is_skipped_naming_the_sample(tiny_store, tiny_model_dir, tmp_path, caplog, workers):
+    """The loader refuses the damaged sample (its slots become padding), names it, counts it; with
+    DataLoader workers too (issue 33's audit: a worker's checksum failure ended the run)."""
     store = tmp_path / "store"
     shutil.copytree(tiny_store, store)
     st = HiddenStateStore.open(store)
@@ -50,7 +52,9 @@ def test_a_flipped_byte_is_skipped_naming_the_sample(tiny_store, tiny_model_dir,
     raw = bytearray(data.read_bytes())
     raw[rec.offset * row : rec.offset * row + 2] = np.array([0x7FC0], dtype="<u2").tobytes()  # one NaN
     data.write_bytes(bytes(raw))
-    summary = train(small_config(store, tiny_model_dir, tmp_path / "run", val_fraction=0.0))
+    summary = train(
+        small_config(store, tiny_model_dir, tmp_path / "run", val_fraction=0.0, num_workers=workers)
+    )
     assert summary["samples_refused"] == 1
     assert summary["loss"] is not None and np.isfinite(summary["loss"])
     assert repr(victim) in caplog.text and "checksum" in caplog.text
@@ -151,12 +155,15 @@ def test_a_damaged_manifest_line_is_counted_as_lost_and_the_run_exits_non_zero(
     )
 
 
+@pytest.mark.parametrize("workers", [0, 2])
 def test_a_truncated_chunk_warns_naming_store_shard_and_each_sample(
-    tiny_store, tiny_model_dir, tmp_path, caplog
+    tiny_store, tiny_model_dir, tmp_path, caplog, workers
 ):
     """Issue 33: a token_ids chunk cut short warned 'store X: file ends at byte N, M bytes short'
     with no shard and no sample id, while ``hsgen verify`` named the samples; each warning names
-    the store, the shard and the sample now, the same samples verify names."""
+    the store, the shard and the sample now, the same samples verify names. With DataLoader
+    workers (``--num-workers 2``) the same chunk ended the run with a worker's traceback (the
+    audit): the refusal now travels to the main process, which counts and warns."""
     from hsgen.store.verify import verify_report
 
     store = tmp_path / "store"
@@ -170,7 +177,7 @@ def test_a_truncated_chunk_warns_naming_store_shard_and_each_sample(
     chunk.write_bytes(chunk.read_bytes()[:-cut])
     damaged = set(verify_report(HiddenStateStore.open(store)).samples_affected)
     assert damaged == set(last)
-    summary = train(small_config(store, tiny_model_dir, tmp_path / "run"))
+    summary = train(small_config(store, tiny_model_dir, tmp_path / "run", num_workers=workers))
     assert summary["samples_refused"] == 2
     warned = [r.getMessage() for r in caplog.records if "skipped, not trained" in r.getMessage()]
     assert warned, caplog.text
@@ -178,3 +185,21 @@ def test_a_truncated_chunk_warns_naming_store_shard_and_each_sample(
         assert str(store) in line and shard in line, line
         assert any(repr(sid) in line for sid in damaged), line
     assert {sid for sid in damaged if any(repr(sid) in line for line in warned)} == damaged
+
+
+def test_a_sample_whose_shard_was_deleted_is_skipped_naming_the_store_and_why(tiny_store, tmp_path, caplog):
+    """Issue 33: every skip warning names the store and the sample; one whose shard is gone says so
+    (no shard holds it any more) instead of naming none."""
+    from spectrain.data import StoreSource
+
+    store = tmp_path / "store"
+    shutil.copytree(tiny_store, store)
+    src = StoreSource(store, val_fraction=0.0)
+    sid = src.ids()[0]
+    HiddenStateStore.open(store).delete_shard(src.store.record(sid).shard)
+    src.store.refresh()
+    assert src.locate(sid) is None and src.get(sid) is None
+    warned = [r.getMessage() for r in caplog.records if "skipped, not trained" in r.getMessage()]
+    assert len(warned) == 2, caplog.text
+    for line in warned:
+        assert line.startswith(f"store {store}: sample {sid!r}") and "its shard was deleted" in line, line

@@ -36,6 +36,8 @@ def test_redaction_keeps_everything_else():
     assert out == {"api_key": "<redacted>", "hf-token": "<redacted>", "x": [{"password": "<redacted>", "ok": 1}],
                    "mask_token_id": 3, "url": "https://<redacted>@h:1/v1", "plain": "http://h:1",
                    "none_key": None, "api_key2": None}  # fmt: skip
+    # issue 33: a key holding an @ leaves no tail behind
+    assert redact_secrets("http://u:p@ss@h:1/v1") == "http://<redacted>@h:1/v1"
 
 
 def test_online_takes_the_key_from_vllm_api_key_and_never_shows_it(monkeypatch, tiny_model_dir, tmp_path):

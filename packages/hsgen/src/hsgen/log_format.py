@@ -15,12 +15,23 @@ import sys
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
-_USERINFO = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.-]*://)[^\s/?#@\"']+@")
+_USERINFO = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.-]*://)[^\s/?#\"']*@")
+"""``scheme://`` and the userinfo after it, up to the authority's last ``@`` (a key may hold one)."""
+
+_BARE_USERINFO = re.compile(
+    r"(?<![^\s\"'(\[{=,])[^\s/?#@\"'<>()\[\]{}=,]+@(?=(?:[A-Za-z0-9.-]+|\[[0-9A-Fa-f:.]+\]):[0-9{])"
+)
+"""The userinfo of an endpoint written without a scheme (``user:key@host:8000``, or a template's
+``host:{8000+local_rank}``), which the client gives ``http://``: a word ending in ``@`` before a
+host and a port."""
 
 
 def redact_text(text: str) -> str:
-    """``text`` with the userinfo of every ``scheme://user:key@host`` URL in it replaced by ``<redacted>``."""
-    return _USERINFO.sub(r"\1<redacted>@", text) if "@" in text else text
+    """``text`` with the userinfo of every ``scheme://user:key@host`` URL in it, and of every
+    ``user:key@host:port`` endpoint written without a scheme, replaced by ``<redacted>``."""
+    if "@" not in text:
+        return text
+    return _BARE_USERINFO.sub("<redacted>@", _USERINFO.sub(r"\1<redacted>@", text))
 
 
 class RedactingFormatter(logging.Formatter):

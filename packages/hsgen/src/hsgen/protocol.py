@@ -128,12 +128,17 @@ def check_request_id(request_id: str) -> str:
 
 
 def redact_url(url: str) -> str:
-    """``url`` with its userinfo (``user:key@``) replaced by ``<redacted>``: what may be printed or recorded."""
+    """``url`` with its userinfo (``user:key@``) replaced by ``<redacted>``: what may be printed or
+    recorded. A URL without a scheme (``user:key@host:8000``, which the client gives ``http://``)
+    is redacted the same way; the userinfo ends at the authority's last ``@`` (a key may hold one)."""
     scheme, sep, rest = url.partition("://")
-    authority, slash, path = rest.partition("/")
-    if not sep or "@" not in authority:
+    if not sep:
+        rest = url
+    end = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
+    authority = rest[:end]
+    if "@" not in authority:
         return url
-    return f"{scheme}://<redacted>@{authority.rsplit('@', 1)[1]}{slash}{path}"
+    return f"{scheme + sep if sep else ''}<redacted>@{authority.rsplit('@', 1)[1]}{rest[end:]}"
 
 
 def check_no_credentials(url: str, what: str = "--endpoint") -> str:

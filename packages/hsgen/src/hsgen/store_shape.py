@@ -83,11 +83,14 @@ class StoreShape:
         layer_ids: the layer ids asked for (their number is the layer count; none: not known).
         model: the model config the hidden size comes from (None: not known yet).
         dtype: the dtype asked for (None: the servers' first file's).
+        unread: what the user named whose config could not be read (``--verifier ORG/NAME``: no
+            directory, not in the hub cache, the hub not reached), said when the store is created.
     """
 
     layer_ids: tuple[int, ...]
     model: ModelConfig | None = None
     dtype: str | None = None
+    unread: tuple[str, ...] = ()
 
     @classmethod
     def named(
@@ -109,7 +112,9 @@ class StoreShape:
         model = model or model_config(tokenizer_dir, "--tokenizer")
         if model is None and verifier:
             model = model_config(verifier, "--verifier", revision=revision, download=True)
-        shape = cls(tuple(layer_ids), model, dtype)
+        named = (("--verifier", verifier), ("--tokenizer", tokenizer_dir))
+        unread = tuple(f"{flag} {name}" for flag, name in named if name) if model is None else ()
+        shape = cls(tuple(layer_ids), model, dtype, unread)
         shape.check_layer_ids()
         return shape
 
@@ -152,6 +157,12 @@ class StoreShape:
         if self.model is not None:
             return (f"new store {path}: {layers}, hidden size {hidden_size} (the model's, {self.model.source}), "
                     f"{dtype} ({where_dtype})")  # fmt: skip
+        if self.unread:  # the user named a model, but its config could not be read here
+            return (
+                f"new store {path}: {layers}, hidden size {hidden_size} and {dtype} from the servers' first file: "
+                f"{' and '.join(self.unread)} gave no config.json to check it against (neither a model directory "
+                "nor a hub id in the cache or on a reachable hub)"
+            )
         return (
             f"new store {path}: {layers}, hidden size {hidden_size} and {dtype} from the servers' first file: "
             "nothing names the model (pass --verifier or --tokenizer, a model directory or hub id, to have "

@@ -19,7 +19,7 @@ import numpy as np
 
 from spectrain.batch import TORCH_DTYPES, Batch, storage_to_torch
 from spectrain.loader import PackedLoader, sample_to_item
-from spectrain.sample_reads import SampleRead, StoreRead
+from spectrain.sample_reads import SampleRead, SampleRefused, StoreRead
 
 if TYPE_CHECKING:
     from hsgen.store import HiddenStateStore, Sample
@@ -183,10 +183,21 @@ class StoreSource:
         return epoch_plan(self.ids(), epoch, self.seed, self.rank, self.world_size)
 
     def get(self, sample_id: str) -> Sample | None:
+        """The sample read whole (a DataLoader worker's read), None when it is no longer in the store.
+
+        Raises:
+            SampleRefused: its rows cannot be read or (``verify``) fail their checksum; the
+                message names the store, the shard and the sample.
+        """
+        from hsgen.store import StoreError
+
         try:
-            return self.store.read(sample_id)
+            return self.store.read(sample_id, verify=self.verify)
+        except StoreError as e:
+            raise SampleRefused(str(e)) from e
         except KeyError:
-            log.warning("sample %r is no longer in store %s; skipped", sample_id, self.path)
+            log.warning("store %s: sample %r is no longer in it (its shard was deleted): skipped, not trained",
+                        self.path, sample_id)  # fmt: skip
             return None
 
     def locate(self, sample_id: str) -> SampleRead | None:
@@ -194,7 +205,8 @@ class StoreSource:
         try:
             length = self.store.record(sample_id).length
         except KeyError:
-            log.warning("sample %r is no longer in store %s; skipped", sample_id, self.path)
+            log.warning("store %s: sample %r is no longer in it (its shard was deleted): skipped, not trained",
+                        self.path, sample_id)  # fmt: skip
             return None
         return StoreRead(self.store, sample_id, length, verify=self.verify)
 

@@ -56,6 +56,7 @@ class _Item:
     token_ids: torch.Tensor | None = None
     loss_mask: torch.Tensor | None = None
     target_ids: torch.Tensor | None = None
+    refused: str | None = None  # why the sample's read was refused (the main process counts and warns)
 
 
 class _PlanReader(torch.utils.data.Dataset):
@@ -75,7 +76,10 @@ class _PlanReader(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> _Item:
         pos = self.start + i
         sid = self.plan[pos]
-        sample = self.source.get(sid)
+        try:
+            sample = self.source.get(sid)
+        except SampleRefused as e:  # its rows cannot be read, or fail their checksum: not the run's end
+            return _Item(pos, sid, refused=str(e))
         if sample is None:
             return _Item(pos, sid)
         return sample_to_item(sample, pos, self.layers, self.max_tokens)
@@ -260,6 +264,8 @@ class PackedLoader:
                 multiprocessing_context="fork" if torch.multiprocessing.get_start_method() == "fork" else None,
             )  # fmt: skip
             for item in dl:
+                if item.refused is not None:
+                    self._refuse(item.sample_id, item.refused)
                 yield item.position, item.sample_id, None if item.token_ids is None else _item_read(item)
             return
         for pos in range(self.start, len(self.plan)):

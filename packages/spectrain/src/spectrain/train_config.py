@@ -209,9 +209,10 @@ def redact_secrets(value: Any) -> Any:
         return {k: REDACTED if _is_secret(k) and v else redact_secrets(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [redact_secrets(v) for v in value]
-    if isinstance(value, str) and "://" in value and "@" in value.split("://", 1)[1].split("/", 1)[0]:
-        scheme, rest = value.split("://", 1)
-        return f"{scheme}://{REDACTED}@{rest.split('@', 1)[1]}"
+    if isinstance(value, str) and "://" in value:  # a URL's userinfo, to its authority's last @
+        from hsgen.protocol import redact_url
+
+        return redact_url(value)
     return value
 
 

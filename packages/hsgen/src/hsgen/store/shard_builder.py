@@ -159,6 +159,7 @@ class _RowFile:
             if self._direct >= 0:
                 try:
                     pwrite_all(self._direct, data, offset)
+                    failpoint("rows_block_written")
                     return
                 except OSError as e:
                     if e.errno != errno.EINVAL:  # alignment the file system wants otherwise: write as usual
