@@ -34,6 +34,9 @@ def run_rank(rank: int, world: int, port: int, cfg_dict: dict, out_dir: str) -> 
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(
         {"digest": h.hexdigest(), "plan": plan, "step": summary["step"], "torn_down": not dist.is_initialized()}
     ))  # fmt: skip
+    from spectrain.distributed import exit_process
+
+    exit_process(0)  # as `spectrain train` ends a rank: DDP keeps gloo's threads to the end (docs/train.md)
 
 
 def metrics_rank(rank: int, world: int, port: int, algorithm: str, empty: str, out_dir: str) -> None:

@@ -19,3 +19,32 @@ def test_gather_uses_the_control_group(monkeypatch):
     assert gather({"position": 3}, DistInfo(rank=0, world_size=2, control=control)) == [{"position": 3}] * 2
     assert seen["group"] is control
     assert gather(7, DistInfo()) == [7]  # one process: no collective
+
+
+def test_exit_code_of_says_what_click_would():
+    import click
+
+    from spectrain.distributed import exit_code_of
+
+    def body(outcome):
+        if isinstance(outcome, BaseException):
+            raise outcome
+
+    assert exit_code_of(body, None) == 0
+    assert exit_code_of(body, SystemExit(3)) == 3 and exit_code_of(body, SystemExit(None)) == 0
+    assert exit_code_of(body, SystemExit("a message")) == 1
+    assert exit_code_of(body, click.ClickException("bad store")) == 1
+    assert exit_code_of(body, click.UsageError("--lr: not a number")) == 2
+    assert exit_code_of(body, KeyboardInterrupt()) == 130
+    assert exit_code_of(body, RuntimeError("a bug")) == 1
+
+
+def test_exit_process_flushes_and_exits_with_the_code():
+    import subprocess
+    import sys
+
+    program = ("import atexit, sys; from spectrain.distributed import exit_process; "
+               "atexit.register(lambda: print('exit handler ran', file=sys.stderr)); "
+               "print('summary', end=''); exit_process(143)")  # fmt: skip
+    r = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 143 and r.stdout == "summary" and "exit handler ran" in r.stderr

@@ -3,10 +3,15 @@ collectives the loop decides with, the DDP / FSDP2 wrapping of the draft, and th
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import logging
 import os
+import sys
+import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -80,6 +85,49 @@ def teardown_distributed(info: DistInfo, *, clean: bool) -> None:
         if info.owns_default and dist.is_initialized():
             dist.destroy_process_group()
         info.owns_default = False
+
+
+def exit_code_of(command: Callable[..., Any], *args: Any) -> int:
+    """Run a click command's body and return the exit status click would give it (0, ``sys.exit``'s
+    code, a ``ClickException``'s after printing its line, 1 after printing the traceback of anything
+    else, 130 for ``KeyboardInterrupt``)."""
+    import click
+
+    try:
+        command(*args)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except click.exceptions.Exit as e:
+        return e.exit_code
+    except click.ClickException as e:
+        e.show()
+        return e.exit_code
+    except KeyboardInterrupt:
+        return 130
+    except BaseException:
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+def exit_process(code: int) -> NoReturn:
+    """End this rank with ``code``: exit handlers run and output is flushed, then the process exits
+    without the interpreter's finalization.
+
+    Under DDP the process group outlives :func:`teardown_distributed`: DDP's reducer keeps it, and
+    torch 2.13 has no call that joins gloo's worker threads (``destroy_process_group``, the
+    backend's ``shutdown`` and ``abort`` leave them running; measured). A worker thread that frees a
+    collective's tensors while the interpreter finalizes aborts the rank (SIGABRT). Everything that
+    must outlive the run is closed before this (checkpoints synced, trackers finished, loader threads
+    joined), so skipping finalization loses nothing and the exit status is exactly ``code``.
+    """
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):  # a closed pipe: nothing more can be said
+                stream.flush()
+        os._exit(code)
 
 
 def resolve_device(cfg: TrainConfig) -> torch.device:

@@ -506,6 +506,14 @@ def train(**params: Any) -> None:
     """Train a DFlash or Eagle3 draft; every checkpoint is a directory vLLM serves.
 
     speculators' train flags are read too: each works as there or is refused naming ours (docs/train.md)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return _train(params)
+    from spectrain.distributed import exit_code_of, exit_process
+
+    exit_process(exit_code_of(_train, params))  # a rank's exit says what happened (docs/train.md)
+
+
+def _train(params: dict[str, Any]) -> None:
     _setup_logging()
     for note in click.get_current_context().meta.get("speculators_notes", ()):
         logging.getLogger("spectrain.train").info("%s", note)
