@@ -20,7 +20,7 @@ No model can be downloaded, so the script builds a small but real target first:
 
 The last stdout line is JSON with ``tau_dflash``, ``tau_dspark``, ``tau_eagle3``, ``tau_baseline``,
 ``exact_match`` and the input hashes (``target_weights_sha256``, ``train_jsonl_sha256``,
-``eval_jsonl_sha256``). ``--peer`` trains speculators 0.9.0's own DFlash and Eagle3 beside ours on
+``eval_jsonl_sha256``). ``--peer`` trains speculators 0.9.0's own DFlash, DSpark and Eagle3 beside ours on
 the same samples and hidden states (``quality_peer.py``) and adds ``peer_tau_*``, ``diff_*`` (ours
 minus the peer, paired per prompt, mean over the draws) with ``diff_*_ci`` (95% bootstrap),
 ``min_diff_*`` (the worst draw's) and each side's training GFLOP. ``--seeds 0,1,2`` draws the
@@ -117,8 +117,8 @@ def _parser() -> argparse.ArgumentParser:
     add(
         "--drafts",
         default=None,
-        help="Comma-separated drafts to train and evaluate (default: all of dflash,dspark,eagle3,baseline; with "
-        "--peer: dflash,eagle3,baseline, the algorithms the peer trains).",
+        help="Comma-separated drafts to train and evaluate (default: all of dflash,dspark,eagle3,baseline, with or "
+        "without --peer; the peer trains dflash, dspark and eagle3).",
     )
     add(
         "--train-args",
@@ -141,7 +141,7 @@ def _parser() -> argparse.ArgumentParser:
     add(
         "--peer",
         action="store_true",
-        help="Also train speculators 0.9.0's own DFlash and Eagle3 (its trainer) on the same samples and hidden "
+        help="Also train speculators 0.9.0's own DFlash, DSpark and Eagle3 (its trainer) on the same samples and hidden "
         "states and report ours minus the peer, paired per prompt.",
     )
     add(
@@ -187,7 +187,7 @@ def _plan(args) -> DrawPlan:
         if unknown:
             raise SystemExit(f"--drafts: no such draft {', '.join(unknown)} (known: {', '.join(ALL_DRAFTS)})")
     else:
-        ours = ("dflash", "eagle3", "baseline") if args.peer else ALL_DRAFTS
+        ours = ALL_DRAFTS
     peer = tuple(a for a in PEER_ALGORITHMS if a in ours) if args.peer else ()
     if args.peer and not peer:
         raise SystemExit(f"--peer: the peer trains {', '.join(PEER_ALGORITHMS)}, none of {', '.join(ours)}")

@@ -54,7 +54,8 @@ def draft_name(algorithm: str, side: str, lr: float | None) -> str:
 def size_lr(size: BenchSize, algorithm: str, side: str) -> float:
     """Each side's learning rate on ``size`` (ours swept with our trainer, the peer's with its own)."""
     if side == "peer":
-        return size.peer_dflash_lr if algorithm == "dflash" else size.peer_eagle3_lr
+        rates = {"dflash": size.peer_dflash_lr, "dspark": size.peer_dspark_lr, "eagle3": size.peer_eagle3_lr}
+        return rates[algorithm]
     return size.eagle3_lr if algorithm == "eagle3" else size.dflash_lr
 
 

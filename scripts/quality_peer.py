@@ -9,7 +9,8 @@ bits. Rows are in sample-id order (as our trainer reads them); our training samp
 our validation samples last, so speculators' own split
 (the last rows, ``--train-data-ratio``) trains on exactly ours. Then it runs speculators' trainer as
 its CLI does (``speculators train`` = ``TrainConfig.resolve`` + ``speculators.train.cli.main``) in
-a process of its own, at the benchmark's shapes (epochs, packed sequence length, layers, block,
+a process of its own, at the benchmark's shapes (epochs, packed sequence length, layers, block (DSpark's
+one slot shorter than DFlash's, as ours: its DSpark samples from the anchor, so both propose K tokens),
 anchors, TTT steps, input layers, learning rate) and its own defaults otherwise (Muon, linear
 schedule with 1% warmup, seed 42, loss, norms, sliding window ...). Its final checkpoint (the last
 epoch's, as ours is our last step's) is what the benchmark evaluates.
@@ -34,7 +35,7 @@ from pathlib import Path
 
 log = logging.getLogger("bench_quality")
 
-PEER_ALGORITHMS = ("dflash", "eagle3")
+PEER_ALGORITHMS = ("dflash", "dspark", "eagle3")
 """The algorithms trained by the peer's trainer beside ours (``--peer``)."""
 
 CPU_CHANGES = {
@@ -121,8 +122,9 @@ def peer_flags(algorithm: str, size, target: Path, data: Path, save: Path, aux: 
         "--total-seq-len", str(size.draft_seq_len), "--lr", repr(lr), "--train-data-ratio", repr(ratio),
         "--target-layer-ids", *map(str, aux), "--on-missing", "raise",
     ]  # fmt: skip
-    if algorithm == "dflash":
-        flags += ["--num-layers", str(size.dflash_layers), "--block-size", str(size.dflash_block_size),
+    if algorithm in ("dflash", "dspark"):  # its DSpark is anchor-first: one slot fewer, the same K as DFlash
+        block = size.dflash_block_size - (algorithm == "dspark")
+        flags += ["--num-layers", str(size.dflash_layers), "--block-size", str(block),
                   "--max-anchors", str(size.dflash_max_anchors)]  # fmt: skip
     else:
         flags += ["--ttt-steps", str(size.eagle3_ttt_steps)]

@@ -42,6 +42,7 @@ class BenchSize:
     """The peer's (speculators 0.9.0's trainer) learning rate, swept on this size as ours
     (``bench_quality.py --peer --lrs``); 1e-3 is its default, for sizes not swept."""
     peer_eagle3_lr: float = 1e-3
+    peer_dspark_lr: float = 1e-3
     in_process: bool = False
     """Run each command (``spectrain train``/``export``/``eval``) inside the benchmark's process and
     ``hsgen serve`` in a thread of it, rather than one process each: the same code, without a torch

@@ -3,8 +3,8 @@ exactly our samples, and the paired statistics that compare it with ours (issue 
 
 The data the peer's own dataset class reads back is the store's, bit for bit, row for row, and its
 own train/validation split trains on exactly our training samples; its trainer, run as its CLI runs
-it (with the named CPU changes), trains a DFlash draft that ``spectrain eval`` decodes exactly; the
-paired bootstrap gives zero for a draft against itself and the sign and size of a known difference.
+it (with the named CPU changes), trains a DFlash and a DSpark draft (issue 32) that ``spectrain eval``
+decodes exactly; the paired bootstrap gives zero for a draft against itself and the sign and size of a known difference.
 """
 
 from __future__ import annotations
@@ -72,25 +72,52 @@ def test_the_peers_own_dataset_reads_our_samples_bit_for_bit_and_trains_on_ours(
         assert torch.equal(theirs["loss_mask"], torch.from_numpy(sample.loss_mask.astype(np.int64)))
 
 
-def test_the_peers_trainer_trains_a_draft_spectrain_eval_decodes_exactly(store, tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("algorithm", ["dflash", "dspark"])
+def test_the_peers_trainer_trains_a_draft_spectrain_eval_decodes_exactly(
+    store, tmp_path, tiny_model_dir, algorithm
+):
     from quality_peer import train_peer
 
     size = dataclasses.replace(SIZES["quick"], draft_epochs=1, draft_seq_len=256, dflash_max_anchors=32,
                                num_eval_prompts=2, eval_new_tokens=12)  # fmt: skip
-    final, summary = train_peer("dflash", size, tiny_model_dir, store, [1, 2, 3], tmp_path, "cpu", 1e-3, VAL)
-    assert (
-        final == tmp_path / "peer-train-dflash" / "0" and summary["step"] > 0 and summary["train_flops"] > 0
-    )
+    final, summary = train_peer(algorithm, size, tiny_model_dir, store, [1, 2, 3], tmp_path, "cpu", 1e-3, VAL)
+    assert final == tmp_path / f"peer-train-{algorithm}" / "0"
+    assert summary["step"] > 0 and summary["train_flops"] > 0
     assert {"--draft-attn-impl", "--loss-implementation"} <= set(summary["command"])
     config = json.loads((final / "config.json").read_text())
-    assert (config["speculators_model_type"], config["block_size"]) == ("dflash", size.dflash_block_size)
-    assert not (tmp_path / "peer-data-dflash").exists()  # the copy of the store is removed once trained
+    # its DSpark samples from the anchor: one slot fewer than DFlash's block proposes the same K tokens
+    block = size.dflash_block_size - (algorithm == "dspark")
+    assert (config["speculators_model_type"], config["block_size"]) == (algorithm, block)
+    assert bool(config.get("sample_from_anchor")) == (algorithm == "dspark")
+    assert not (tmp_path / f"peer-data-{algorithm}").exists()  # the copy of the store is removed once trained
     prompts = tmp_path / "eval.jsonl"
     prompts.write_text(
         "".join(json.dumps({"id": f"e{i}", "input_ids": [20 + i, 30, 40, 50]}) + "\n" for i in range(2))
     )
     report = evaluate_draft(final, tiny_model_dir, prompts, size, "cpu")
     assert report["exact_match"] is True and len(report["per_prompt"]) == 2
+
+
+def test_peer_flags_and_default_drafts_include_dspark(tmp_path):
+    import bench_quality
+    from quality_peer import PEER_ALGORITHMS, peer_flags
+
+    size = SIZES["quick"]
+
+    def flags(algorithm: str) -> list[str]:
+        return peer_flags(algorithm, size, tmp_path, tmp_path, tmp_path, [1, 2], 1e-3, 0.9, "float32", "cpu")
+
+    for algorithm, block in (("dflash", size.dflash_block_size), ("dspark", size.dflash_block_size - 1)):
+        f = flags(algorithm)
+        value = {k: f[f.index(k) + 1] for k in ("--speculator-type", "--block-size", "--num-layers")}
+        assert value == {"--speculator-type": algorithm, "--block-size": str(block),
+                         "--num-layers": str(size.dflash_layers)}  # fmt: skip
+    assert "--block-size" not in flags("eagle3")
+    assert PEER_ALGORITHMS == ("dflash", "dspark", "eagle3")
+    plan = bench_quality._plan(bench_quality._parser().parse_args(["--peer"]))
+    assert plan.ours == bench_quality.ALL_DRAFTS and plan.peer == PEER_ALGORITHMS
+    plan = bench_quality._plan(bench_quality._parser().parse_args(["--peer", "--drafts", "dspark"]))
+    assert (plan.ours, plan.peer) == (("dspark",), ("dspark",))
 
 
 def _rows(taus_steps: list[tuple[int, int]]) -> list[dict]:
