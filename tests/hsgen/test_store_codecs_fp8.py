@@ -130,3 +130,21 @@ def test_encode_takes_strided_input():
     values = np.random.default_rng(3).standard_normal((6, 4, 64))
     hidden = storage(values, "bfloat16")[::2, ::-1]
     assert_same(hidden, "bfloat16")
+
+
+def test_float16_scales_around_the_fast_path_threshold():
+    """float16 rows whose scale is just above, at and just below 2**-14 (the exact-divisor bound)."""
+    at = np.float16(448 * 2.0**-14)
+    amaxes = [np.nextafter(at, np.float16(0)), at, np.nextafter(at, np.float16(1)), np.float16(0.5)]
+    rng = np.random.default_rng(5)
+    subnormals = np.arange(1, 1024, dtype=np.uint16).view(np.float16)
+    rows = []
+    for amax in amaxes:
+        row = rng.uniform(-float(amax), float(amax), 2048).astype(np.float16)
+        row[:1023] = subnormals * np.where(rng.random(1023) < 0.5, -1, 1).astype(np.float16)
+        row[-1] = amax
+        rows.append(row)
+    hidden = np.stack(rows)[:, None, :]
+    assert_same(hidden, "float16")
+    for i in range(len(rows)):  # one row at a time: each block on its own path
+        assert_same(hidden[i : i + 1], "float16")
