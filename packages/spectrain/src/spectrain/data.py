@@ -182,6 +182,10 @@ class StoreSource:
     def plan(self, epoch: int) -> list[str]:
         return epoch_plan(self.ids(), epoch, self.seed, self.rank, self.world_size)
 
+    def _gone(self, sample_id: str) -> None:
+        log.warning("store %s: sample %r is no longer in it (its shard was deleted): skipped, not trained",
+                    self.path, sample_id)  # fmt: skip
+
     def get(self, sample_id: str) -> Sample | None:
         """The sample read whole (a DataLoader worker's read), None when it is no longer in the store.
 
@@ -196,8 +200,7 @@ class StoreSource:
         except StoreError as e:
             raise SampleRefused(str(e)) from e
         except KeyError:
-            log.warning("store %s: sample %r is no longer in it (its shard was deleted): skipped, not trained",
-                        self.path, sample_id)  # fmt: skip
+            self._gone(sample_id)
             return None
 
     def locate(self, sample_id: str) -> SampleRead | None:
@@ -205,8 +208,7 @@ class StoreSource:
         try:
             length = self.store.record(sample_id).length
         except KeyError:
-            log.warning("store %s: sample %r is no longer in it (its shard was deleted): skipped, not trained",
-                        self.path, sample_id)  # fmt: skip
+            self._gone(sample_id)
             return None
         return StoreRead(self.store, sample_id, length, verify=self.verify)
 

@@ -66,10 +66,8 @@ def teardown_distributed(info: DistInfo, *, clean: bool) -> None:
     barrier first, so no rank closes its connections while a peer still reads from them. After
     an error no barrier (a peer may be gone or stuck elsewhere): the groups are destroyed at once.
 
-    Destroying the groups joins their worker threads. Left to the interpreter's exit, a gloo
-    worker may still hold the last collective's tensors when finalization starts; freeing them
-    then needs the GIL, the thread is ended inside C++, and the process aborts (SIGABRT,
-    "terminate called without an active exception") after the run has finished and saved.
+    Destroying a group joins its gloo worker threads when nothing else holds the group; DDP does
+    hold it, so a distributed command also ends with :func:`exit_process` (which says why).
     """
     if not info.enabled or not (dist.is_available() and dist.is_initialized()):
         return

@@ -71,19 +71,19 @@ def resolve_flags(data: dict[str, Any]) -> None:
                  "an hsgen store" if is_store(found) else "a speculators hidden-state cache")  # fmt: skip
 
 
-def _store_rows(cfg, store: Path) -> tuple[Any, list[int], Any]:
-    """The dataset's rows (None when there is no prepared dataset to compare with), the rows the
-    store lacks, and the store."""
+def _store_rows(cfg, store: Path) -> tuple[Any, list[int]]:
+    """The dataset's rows (None when there is no prepared dataset to compare with) and the rows the
+    store lacks."""
     from hsgen.speculators_import import dataset_rows
     from hsgen.store import HiddenStateStore
 
     st = HiddenStateStore.open(store)
     data = data_dir(cfg)
     if not cfg.prompts and not (data / "dataset_info.json").is_file():
-        return None, [], st
+        return None, []
     rows = dataset_rows(data)
     stored = set(st.sample_ids())
-    return rows, [i for i, sid in enumerate(rows.ids) if sid not in stored], st
+    return rows, [i for i, sid in enumerate(rows.ids) if sid not in stored]
 
 
 def _use_store(cfg, store: Path, *, plan_only: bool = False) -> dict[str, Any]:
@@ -91,7 +91,7 @@ def _use_store(cfg, store: Path, *, plan_only: bool = False) -> dict[str, Any]:
     rows of the prepared dataset the store lacks."""
     if cfg.store and Path(cfg.store).resolve() != store.resolve():
         raise ValueError(f"--hidden-states-path {store} is a store and --store {cfg.store} another: give one")
-    rows, missing, _ = _store_rows(cfg, store)
+    rows, missing = _store_rows(cfg, store)
     n = len(rows.ids) if rows is not None else 0
     policy = on_missing(cfg)
     if missing and policy == "raise":
@@ -314,11 +314,10 @@ class _StoreView(CacheView):
 
 
 def _store_view(cfg, store: Path) -> CacheView:
-    from hsgen.store import HiddenStateStore
     from spectrain.data import StoreSource
 
     summary = _use_store(cfg, store, plan_only=True)
     source = StoreSource(
         str(store), split="train", val_fraction=cfg.val_fraction, seed=cfg.seed, verify=False
     )
-    return _StoreView(source, list(HiddenStateStore.open(store).header.layer_ids), summary)
+    return _StoreView(source, list(source.header.layer_ids), summary)

@@ -149,7 +149,9 @@ def build_train_config(params: dict[str, Any]):
     _resolve_verifier(data, params.get("revision"))
     if data.get("on_missing") == "generate":
         data["online"] = True
-    _speculators_cache(data, params)
+    from spectrain.speculators_cache import resolve_flags
+
+    resolve_flags(data)  # --hidden-states-path: a speculators cache or a store
     where = params.get("config") or "command line"
     cfg = TrainConfig.from_dict(data, where=where)
     cfg.validate()
@@ -157,12 +159,6 @@ def build_train_config(params: dict[str, Any]):
 
     get_config_class(cfg.speculator_type).from_dict(dict(cfg.draft), where=f"{where}: draft options")
     return cfg
-
-
-def _speculators_cache(data: dict[str, Any], params: dict[str, Any]) -> None:
-    from spectrain.speculators_cache import resolve_flags
-
-    resolve_flags(data)
 
 
 TRAIN_SECTIONS: dict[str, tuple[str, ...]] = {
