@@ -151,6 +151,12 @@ def _parser() -> argparse.ArgumentParser:
         "(default 0; several: each under <work>/seed-N, figures are means over them).",
     )
     add(
+        "--no-compute-match",
+        action="store_true",
+        help="With --peer: train ours for all its steps even where its counted FLOPs pass the peer's (by default "
+        "a draft the peer also trains stops at the peer's compute: --max-steps from a 10-step probe).",
+    )
+    add(
         "--lrs",
         default=None,
         help="Comma-separated learning rates: train every draft of both sides at each (a sweep; each side's "
@@ -192,7 +198,8 @@ def _plan(args) -> DrawPlan:
     if args.peer and not peer:
         raise SystemExit(f"--peer: the peer trains {', '.join(PEER_ALGORITHMS)}, none of {', '.join(ours)}")
     return DrawPlan(ours=ours, peer=peer, lrs=_floats(args.lrs, "--lrs"), recipe=args.recipe,
-                    train_args=args.train_args, tag=args.tag, keep_peer_data=args.keep)  # fmt: skip
+                    train_args=args.train_args, tag=args.tag, keep_peer_data=args.keep,
+                    match_compute=bool(peer) and not args.no_compute_match)  # fmt: skip
 
 
 # --------------------------------------------------------------------------- main

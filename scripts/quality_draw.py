@@ -14,12 +14,13 @@ from __future__ import annotations
 import json
 import logging
 import shlex
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from quality_inputs import input_hashes, sha256_file
-from quality_peer import cpu_seconds, train_peer
+from quality_peer import COUNT_VERSION, cpu_seconds, train_peer
 from quality_sizes import SPECULATORS_RECIPE, BenchSize, draft_layers
 from quality_steps import evaluate_draft, export_untrained, generate_hidden_states, make_prompts, train_draft
 
@@ -44,6 +45,15 @@ class DrawPlan:
     train_args: str = ""
     tag: str = ""
     keep_peer_data: bool = False
+    match_compute: bool = False
+    """Cap each of our drafts that the peer also trains at the peer's counted training FLOPs
+    (``--max-steps``, from a short probe of our per-step count): ours never trains on more compute."""
+
+
+COMPUTE_MARGIN = 0.995
+"""The share of the peer's FLOPs our capped run aims at: our per-step count varies a little with the
+anchors' positions, and the probe sees only its first steps."""
+PROBE_STEPS = 10
 
 
 def draft_name(algorithm: str, side: str, lr: float | None) -> str:
@@ -78,21 +88,7 @@ def run_draw(
     train: dict[str, dict] = {}
     results: dict[str, dict] = {}
     tag = plan.tag or ("speculators" if plan.recipe == "speculators" else "")
-    for algorithm in (a for a in plan.ours if a != "baseline"):
-        aux = eagle_aux if algorithm == "eagle3" else dflash_aux
-        recipe = SPECULATORS_RECIPE[algorithm] if plan.recipe == "speculators" else ""
-        for lr in plan.lrs:
-            name = draft_name(algorithm, "ours", lr)
-            extra = shlex.split(recipe) + shlex.split(plan.train_args) + (["--lr", repr(lr)] if lr else [])
-            run_tag = "-".join(x for x in (tag, f"lr{lr:g}" if lr else "") if x)
-            t0, c0 = time.perf_counter(), cpu_seconds()
-            drafts[name], train[name] = train_draft(
-                algorithm, size, target, store, aux, work, device, extra, run_tag
-            )
-            train[name]["cpu_seconds"] = round(cpu_seconds() - c0, 1)
-            train[name]["lr"] = lr or size_lr(size, algorithm, "ours")
-            timings[f"train_{name}"] = time.perf_counter() - t0
-    for algorithm in plan.peer:
+    for algorithm in plan.peer:  # first: with match_compute, the peer's count caps ours
         aux = eagle_aux if algorithm == "eagle3" else dflash_aux
         for lr in plan.lrs:
             name = draft_name(algorithm, "peer", lr)
@@ -106,6 +102,23 @@ def run_draw(
                                                        VAL_FRACTION, f"lr{lr:g}" if lr else "", plan.keep_peer_data)  # fmt: skip
                 train[name].update(epochs=size.draft_epochs, train_jsonl_sha256=train_sha)
                 (drafts[name].parent / "peer_summary.json").write_text(json.dumps(train[name], indent=1))
+            timings[f"train_{name}"] = time.perf_counter() - t0
+    for algorithm in (a for a in plan.ours if a != "baseline"):
+        aux = eagle_aux if algorithm == "eagle3" else dflash_aux
+        recipe = SPECULATORS_RECIPE[algorithm] if plan.recipe == "speculators" else ""
+        for lr in plan.lrs:
+            name = draft_name(algorithm, "ours", lr)
+            extra = shlex.split(recipe) + shlex.split(plan.train_args) + (["--lr", repr(lr)] if lr else [])
+            run_tag = "-".join(x for x in (tag, f"lr{lr:g}" if lr else "") if x)
+            t0, c0 = time.perf_counter(), cpu_seconds()
+            budget = train.get(draft_name(algorithm, "peer", lr), {}) if plan.match_compute else {}
+            cap = _compute_cap(algorithm, size, target, store, aux, work, device, extra, run_tag, budget)
+            drafts[name], train[name] = train_draft(
+                algorithm, size, target, store, aux, work, device, extra + cap.get("flags", []), run_tag
+            )
+            train[name].update({k: v for k, v in cap.items() if k != "flags"})
+            train[name]["cpu_seconds"] = round(cpu_seconds() - c0, 1)
+            train[name]["lr"] = lr or size_lr(size, algorithm, "ours")
             timings[f"train_{name}"] = time.perf_counter() - t0
     if "baseline" in plan.ours:
         drafts["baseline"] = export_untrained(dflash_aux, size, target, work / "draft-baseline")
@@ -132,6 +145,29 @@ def run_draw(
     }
 
 
+def _compute_cap(algorithm: str, size: BenchSize, target: Path, store: Path, aux: list[int], work: Path,
+                 device: str, extra: list[str], tag: str, peer: dict) -> dict:  # fmt: skip
+    """With the peer's summary ``peer`` (its ``train_flops`` and ``step``): our per-step FLOPs from a
+    :data:`PROBE_STEPS`-step run, and ``--max-steps`` where the peer's count would be passed
+    (``flags``, empty when the full run fits); ``{}`` without a peer."""
+    if not peer.get("train_flops") or not peer.get("step"):
+        return {}
+    probe_tag = "-".join(x for x in (tag, "probe") if x)
+    _, facts = train_draft(algorithm, size, target, store, aux, work, device,
+                           [*extra, "--max-steps", str(PROBE_STEPS), "--log-every", str(PROBE_STEPS)], probe_tag)  # fmt: skip
+    for d in (work / f"train-{algorithm}-{probe_tag}", work / f"draft-{algorithm}-{probe_tag}"):
+        shutil.rmtree(d, ignore_errors=True)
+    per_step = facts["train_flops"] / max(int(facts.get("step") or PROBE_STEPS), 1)
+    steps = int(peer["step"])
+    fit = int(peer["train_flops"] * COMPUTE_MARGIN // per_step)
+    out = {"compute_budget_flops": peer["train_flops"], "probe_flops_per_step": per_step, "full_steps": steps}
+    if fit < steps:
+        out["flags"] = ["--max-steps", str(fit)]
+        log.info("compute (%s): %.1f GFLOP/step against the peer's %.1f GFLOP in %d steps: %d steps",
+                 algorithm, per_step / 1e9, peer["train_flops"] / 1e9, steps, fit)  # fmt: skip
+    return out
+
+
 def _reused_peer(work: Path, algorithm: str, lr: float | None, rate: float, size: BenchSize,
                  train_sha: str) -> tuple[Path, dict] | None:  # fmt: skip
     """A peer draft an earlier run on this draw's directory trained on the same data with the same
@@ -142,6 +178,9 @@ def _reused_peer(work: Path, algorithm: str, lr: float | None, rate: float, size
     if not summary.is_file() or not (final / "model.safetensors").is_file():
         return None
     facts = json.loads(summary.read_text())
+    if facts.get("count_version") != COUNT_VERSION:
+        log.info("speculators train (%s): %s was counted another way; training it again", suffix, save)
+        return None
     if (facts.get("lr"), facts.get("epochs"), facts.get("train_jsonl_sha256")) != (
         rate,
         size.draft_epochs,

@@ -18,7 +18,11 @@ epoch's, as ours is our last step's) is what the benchmark evaluates.
 On a CPU it cannot run as it is; :data:`CPU_CHANGES` names every change, flags of its own CLI first.
 Its training compute is counted the way ours is not (no count of its own): matmul FLOPs of every
 training step (forward, backward, optimizer) by ``torch.utils.flop_counter``, written with its step
-count to ``<save>/peer_compute.json``. Run as a script, this file is that launcher.
+count to ``<save>/peer_compute.json``. torch's counter has no formula for the CPU attention kernel
+(``_scaled_dot_product_flash_attention_for_cpu``: it counted 0, so the first peer figures left
+attention out); :func:`attention_formulas` counts it as ours is counted, over the pairs the mask allows
+(``train_flops``), and dense as the CPU kernel computes it (``train_flops_dense_attention``).
+Run as a script, this file is that launcher.
 """
 
 from __future__ import annotations
@@ -201,6 +205,57 @@ def _patch_for_cpu() -> None:
     torch.accelerator.synchronize = lambda device=None: None
 
 
+COUNT_VERSION = 2
+"""Bumped when the peer's count changes: a summary of another version is not reused (2: attention)."""
+
+
+def attention_formulas(tally: dict[str, float]) -> dict:
+    """``FlopCounterMode`` formulas for torch's CPU attention kernel, forward and backward: the FLOPs of
+    the pairs the mask allows (``4 * heads * head_dim`` per pair forward, twice that backward, as
+    torch counts attention and as ours counts its own), and in ``tally["dense"]`` / ``tally["allowed"]``
+    the dense and allowed attention FLOPs seen so far. The backward's mask is the forward's."""
+    import torch
+
+    aten = torch.ops.aten
+
+    def allowed(q, k, mask, is_causal) -> float:
+        b, h, sq, _ = q.shape
+        sk = k.shape[-2]
+        if mask is not None:
+            m = (
+                mask
+                if mask.dtype == torch.bool
+                else torch.isfinite(mask) & (mask > torch.finfo(mask.dtype).min)
+            )
+            return (
+                float(m.expand(b, m.shape[1], sq, sk).float().mean())
+                if m.shape[1] == 1
+                else float(m.expand(b, h, sq, sk).float().mean())
+            )
+        if is_causal:
+            return float(torch.ones(sq, sk, dtype=torch.bool).tril(sk - sq).float().mean())
+        return 1.0
+
+    def forward(q, k, v, dropout_p=0.0, is_causal=False, attn_mask=None, *args, out_val=None, **kwargs):
+        dense = 4.0 * q.shape[0] * q.shape[1] * q.shape[2] * k.shape[-2] * q.shape[-1]
+        density = allowed(q, k, attn_mask, is_causal)
+        tally["dense"] += dense
+        tally["allowed"] += dense * density
+        return int(dense * density)
+
+    def backward(grad, q, k, v, out, lse, dropout_p=0.0, is_causal=False, attn_mask=None, *args, out_val=None,
+                 **kwargs):  # fmt: skip
+        dense = 8.0 * q.shape[0] * q.shape[1] * q.shape[2] * k.shape[-2] * q.shape[-1]
+        density = allowed(q, k, attn_mask, is_causal) if attn_mask is not None or is_causal else 1.0
+        tally["dense"] += dense
+        tally["allowed"] += dense * density
+        return int(dense * density)
+
+    forward._get_raw = backward._get_raw = True  # type: ignore[attr-defined]
+    return {aten._scaled_dot_product_flash_attention_for_cpu: forward,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward: backward}  # fmt: skip
+
+
 def _count_training(save: Path) -> None:
     """Count the matmul FLOPs of every training epoch (not validation) and time the epochs; write
     the step count, FLOPs and mean step time (data loading included, as ours) to
@@ -209,10 +264,12 @@ def _count_training(save: Path) -> None:
     from torch.utils.flop_counter import FlopCounterMode
 
     total, seconds = [0], [0.0]
+    tally = {"dense": 0.0, "allowed": 0.0}
+    formulas = attention_formulas(tally)
     train_epoch, run_training = trainer.Trainer.train_epoch, trainer.Trainer.run_training
 
     def counted_epoch(self, *args, **kwargs):
-        counter = FlopCounterMode(display=False)
+        counter = FlopCounterMode(display=False, custom_mapping=formulas)
         t0 = time.perf_counter()
         with counter:
             result = train_epoch(self, *args, **kwargs)
@@ -223,7 +280,9 @@ def _count_training(save: Path) -> None:
     def counted_run(self, *args, **kwargs):
         result = run_training(self, *args, **kwargs)
         steps = self.global_step
-        facts = {"step": steps, "train_flops": total[0], "step_time_s": round(seconds[0] / max(steps, 1), 4)}
+        facts = {"step": steps, "train_flops": total[0], "attention_flops": tally["allowed"],
+                 "train_flops_dense_attention": total[0] - tally["allowed"] + tally["dense"],
+                 "step_time_s": round(seconds[0] / max(steps, 1), 4), "count_version": COUNT_VERSION}  # fmt: skip
         (save / "peer_compute.json").write_text(json.dumps(facts))
         return result
 

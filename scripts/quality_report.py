@@ -26,7 +26,9 @@ def _best_lr(draws: list[dict], algorithm: str, side: str, lrs: tuple) -> float 
 
 def _compute(t: dict) -> str:
     gflop = t.get("train_flops", 0.0) / 1e9
-    return f"{t.get('step')} steps, {gflop:.1f} GFLOP, {t.get('step_time_s')} s/step, {t.get('cpu_seconds')} CPU s"
+    dense = t.get("train_flops_dense_attention")
+    return (f"{t.get('step')} steps, {gflop:.1f} GFLOP" + (f" ({dense / 1e9:.1f} with dense attention)" if dense else "")
+            + f", {t.get('step_time_s')} s/step, {t.get('cpu_seconds')} CPU s")  # fmt: skip
 
 
 def summarize(draws: list[dict], plan: DrawPlan) -> tuple[list[str], dict]:
@@ -51,6 +53,10 @@ def summarize(draws: list[dict], plan: DrawPlan) -> tuple[list[str], dict]:
         if algorithm not in ours_names:
             continue
         ours = ours_names[algorithm]
+        ratios = [d["train"][ours].get("train_flops", 0.0) / d["train"][name]["train_flops"] for d in draws
+                  if d["train"][name].get("train_flops")]  # fmt: skip
+        if ratios:
+            final[f"compute_ratio_{algorithm}"] = round(max(ratios), 4)
         per_draw = []
         for d in draws:
             p = paired(d["eval"][ours]["per_prompt"], d["eval"][name]["per_prompt"])

@@ -83,6 +83,8 @@ def test_the_peers_trainer_trains_a_draft_spectrain_eval_decodes_exactly(
     final, summary = train_peer(algorithm, size, tiny_model_dir, store, [1, 2, 3], tmp_path, "cpu", 1e-3, VAL)
     assert final == tmp_path / f"peer-train-{algorithm}" / "0"
     assert summary["step"] > 0 and summary["train_flops"] > 0
+    # attention counted (torch's counter has no formula for the CPU kernel): at the mask's pairs, and dense
+    assert 0 < summary["attention_flops"] < summary["train_flops"] < summary["train_flops_dense_attention"]
     assert {"--draft-attn-impl", "--loss-implementation"} <= set(summary["command"])
     config = json.loads((final / "config.json").read_text())
     # its DSpark samples from the anchor: one slot fewer than DFlash's block proposes the same K tokens
@@ -96,6 +98,45 @@ def test_the_peers_trainer_trains_a_draft_spectrain_eval_decodes_exactly(
     )
     report = evaluate_draft(final, tiny_model_dir, prompts, size, "cpu")
     assert report["exact_match"] is True and len(report["per_prompt"]) == 2
+
+
+def test_the_peers_attention_is_counted_over_the_pairs_its_mask_allows():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from quality_peer import attention_formulas
+
+    tally = {"dense": 0.0, "allowed": 0.0}
+    q, k, v = (torch.randn(1, 2, n, 8, requires_grad=True) for n in (16, 32, 32))
+    mask = torch.zeros(1, 1, 16, 32, dtype=torch.bool)
+    mask[..., :8] = True  # a quarter of the pairs
+    plain = FlopCounterMode(display=False)
+    with plain:
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask).sum().backward()
+    assert plain.get_total_flops() == 0  # why the formulas exist
+    counter = FlopCounterMode(display=False, custom_mapping=attention_formulas(tally))
+    with counter:
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask).sum().backward()
+    dense = (4 + 8) * 2 * 16 * 32 * 8  # forward + backward, heads x q x k x head_dim
+    assert counter.get_total_flops() == tally["allowed"] == dense / 4 and tally["dense"] == dense
+
+
+def test_ours_stops_at_the_peers_compute(store, tmp_path, tiny_model_dir):
+    from quality_draw import _compute_cap
+    from quality_steps import train_draft
+
+    size = dataclasses.replace(SIZES["quick"], draft_epochs=3, draft_seq_len=256, dflash_max_anchors=32)
+    args = ("dflash", size, tiny_model_dir, store, [1, 2, 3], tmp_path, "cpu")
+    _, full = train_draft(*args)
+    assert _compute_cap(*args, [], "", {}) == {}
+    roomy = _compute_cap(*args, [], "", {"train_flops": 2 * full["train_flops"], "step": full["step"]})
+    assert "flags" not in roomy and roomy["full_steps"] == full["step"]
+    budget = {"train_flops": 0.6 * full["train_flops"], "step": full["step"]}
+    cap = _compute_cap(*args, [], "", budget)
+    steps = int(cap["flags"][cap["flags"].index("--max-steps") + 1])
+    assert 0 < steps < full["step"]
+    _, capped = train_draft(*args, cap["flags"], "capped")
+    assert capped["step"] == steps and capped["train_flops"] <= budget["train_flops"]
+    assert not list(tmp_path.glob("*probe*"))  # the probe's run is removed
 
 
 def test_peer_flags_and_default_drafts_include_dspark(tmp_path):
@@ -116,8 +157,13 @@ def test_peer_flags_and_default_drafts_include_dspark(tmp_path):
     assert PEER_ALGORITHMS == ("dflash", "dspark", "eagle3")
     plan = bench_quality._plan(bench_quality._parser().parse_args(["--peer"]))
     assert plan.ours == bench_quality.ALL_DRAFTS and plan.peer == PEER_ALGORITHMS
+    assert plan.match_compute  # ours capped at the peer's compute unless asked not to
     plan = bench_quality._plan(bench_quality._parser().parse_args(["--peer", "--drafts", "dspark"]))
     assert (plan.ours, plan.peer) == (("dspark",), ("dspark",))
+    assert not bench_quality._plan(
+        bench_quality._parser().parse_args(["--peer", "--no-compute-match"])
+    ).match_compute
+    assert not bench_quality._plan(bench_quality._parser().parse_args([])).match_compute
 
 
 def _rows(taus_steps: list[tuple[int, int]]) -> list[dict]:
