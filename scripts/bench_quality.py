@@ -157,6 +157,15 @@ def _parser() -> argparse.ArgumentParser:
         "a draft the peer also trains stops at the peer's compute: --max-steps from a 10-step probe).",
     )
     add(
+        "--merge",
+        type=Path,
+        nargs="+",
+        default=None,
+        metavar="RESULTS",
+        help="Summarize the draws of these results*.json files (runs of the same plan on other seeds, e.g. one "
+        "process or machine per seed) as one run: per-draw lines, pooled CI, sweep and the last line; trains nothing.",
+    )
+    add(
         "--lrs",
         default=None,
         help="Comma-separated learning rates: train every draft of both sides at each (a sweep; each side's "
@@ -208,6 +217,8 @@ def _plan(args) -> DrawPlan:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
+    if args.merge:
+        return _merge(args)
     if not (args.device or "").startswith("cuda"):
         pin_kernels(args.kernels)
     plan, seeds = _plan(args), _seeds(args.seeds)
@@ -275,6 +286,38 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(work, ignore_errors=True)
         elif args.keep or args.work:
             log.info("kept %s", work)
+
+
+def _merge(args) -> int:
+    """``--merge``: the draws of several results files, summarized as one run of their common plan."""
+    draws, plans, envs = [], [], []
+    for path in args.merge:
+        try:
+            details = json.loads(path.read_text())
+            plan = details["plan"]
+            plans.append(DrawPlan(**{k: tuple(v) if isinstance(v, list) else v for k, v in plan.items()}))
+            draws += details["draws"]
+            envs.append(details.get("environment"))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise SystemExit(f"--merge: {path}: not a bench_quality results file ({e})") from None
+    keys = [dataclasses.replace(p, tag="", keep_peer_data=False) for p in plans]
+    if any(k != keys[0] for k in keys):
+        raise SystemExit(f"--merge: the files ran different plans: {sorted({str(k) for k in keys})}")
+    seeds = [d["seed"] for d in draws]
+    if len(set(seeds)) != len(seeds):
+        raise SystemExit(f"--merge: a seed is in two files: {seeds}")
+    draws.sort(key=lambda d: d["seed"])
+    lines, figures = summarize(draws, plans[0])
+    hashes = {k: [d["inputs"][k] for d in draws] for k in draws[0]["inputs"]}
+    _print_draws(draws)
+    for line in lines:
+        print(line, file=sys.stderr)
+    if any(e != envs[0] for e in envs):
+        log.warning("--merge: the files were run under different environments: %s", envs)
+    args.only = None
+    final = _final(args, draws, figures, hashes, sorted(seeds))
+    print(json.dumps(final))
+    return 0 if final["exact_match"] else 1
 
 
 def _print_draws(draws: list[dict]) -> None:

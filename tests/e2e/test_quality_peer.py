@@ -184,3 +184,49 @@ def test_paired_difference_and_its_interval():
     assert pooled["diff"] == pytest.approx(0.5) and pooled["min_diff"] == 0
     with pytest.raises(ValueError, match="not of the same prompts"):
         quality_stats.paired(a, a[:3])
+
+
+def _draw(seed: int, ours: list[tuple[int, int]], peer: list[tuple[int, int]]) -> dict:
+    def result(rows):
+        r = _rows(rows)
+        tau = sum(x["new_tokens"] for x in r) / sum(x["steps"] for x in r)
+        return {
+            "tau": tau,
+            "per_prompt": r,
+            "exact_match": True,
+            "acceptance_rate": [0.5],
+            "num_speculative_tokens": 1,
+        }
+
+    train = {"train_flops": 1e12, "step": 10, "step_time_s": 0.1, "cpu_seconds": 1.0}
+    return {"seed": seed, "inputs": {"train_jsonl_sha256": f"t{seed}"}, "eval": {"dflash": result(ours),
+            "peer-dflash": result(peer)}, "train": {"dflash": train, "peer-dflash": dict(train)}}  # fmt: skip
+
+
+def test_merge_pools_draws_run_apart(tmp_path, capsys):
+    import bench_quality
+    from quality_draw import DrawPlan
+
+    plan = dataclasses.asdict(DrawPlan(ours=("dflash",), peer=("dflash",), match_compute=True))
+    runs = {0: _draw(0, [(30, 10), (40, 10)], [(20, 10), (30, 10)]), 1: _draw(1, [(30, 10), (20, 10)],
+            [(30, 10), (20, 10)])}  # fmt: skip
+    files = []
+    for seed, draw in runs.items():
+        files.append(tmp_path / f"results-{seed}.json")
+        files[-1].write_text(
+            json.dumps({"plan": {**plan, "tag": f"t{seed}"}, "draws": [draw], "environment": {}})
+        )
+    assert bench_quality.main(["--merge", *map(str, reversed(files))]) == 0
+    final = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (
+        final["seeds"] == [0, 1] and final["diffs_dflash"] == [1.0, 0.0] and final["min_diff_dflash"] == 0.0
+    )
+    assert final["diff_dflash"] == pytest.approx(0.5) and final["train_jsonl_sha256"] == ["t0", "t1"]
+    with pytest.raises(SystemExit, match="a seed is in two files"):
+        bench_quality.main(["--merge", str(files[0]), str(files[0])])
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"plan": {**plan, "lrs": [0.001]}, "draws": [runs[1]]}))
+    with pytest.raises(SystemExit, match="different plans"):
+        bench_quality.main(["--merge", str(files[0]), str(other)])
+    with pytest.raises(SystemExit, match="not a bench_quality results file"):
+        bench_quality.main(["--merge", str(tmp_path / "missing.json")])
