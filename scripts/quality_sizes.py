@@ -43,6 +43,8 @@ class BenchSize:
     (``bench_quality.py --peer --lrs``); 1e-3 is its default, for sizes not swept."""
     peer_eagle3_lr: float = 1e-3
     peer_dspark_lr: float = 1e-3
+    """Not swept on its own: the peer's swept DFlash rate where one exists (the same optimizer and
+    block drafter; ours trains DSpark at our DFlash rate too)."""
     in_process: bool = False
     """Run each command (``spectrain train``/``export``/``eval``) inside the benchmark's process and
     ``hsgen serve`` in a thread of it, rather than one process each: the same code, without a torch
@@ -102,6 +104,8 @@ SIZES: dict[str, BenchSize] = {
         dflash_max_anchors=256,
         dflash_block_size=8,
         eagle3_ttt_steps=3,
+        peer_dflash_lr=3e-3,
+        peer_dspark_lr=3e-3,
     ),
     "gpu": BenchSize(
         target=TargetSpec(512, 8, 8, 4, 64, 1536, 4096, 6000, 32, 512, 1.5e-3),
