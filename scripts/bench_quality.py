@@ -53,7 +53,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from quality_draw import DrawPlan, run_draw  # noqa: E402
+from quality_draw import DrawPlan, draft_name, run_draw  # noqa: E402
 from quality_inputs import KERNELS, build_differences, environment, pin_kernels  # noqa: E402
 from quality_peer import CPU_CHANGES, PEER_ALGORITHMS  # noqa: E402
 from quality_report import summarize  # noqa: E402
@@ -289,33 +289,54 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _merge(args) -> int:
-    """``--merge``: the draws of several results files, summarized as one run of their common plan."""
-    draws, plans, envs = [], [], []
+    """``--merge``: the draws of several results files, summarized as one run of their common plan.
+
+    Files of other seeds add draws; files of the same seed with other learning rates (a sweep
+    extended later) add those rates' drafts to that seed's draw, on the same inputs."""
+    plans, envs, by_seed = [], [], {}
     for path in args.merge:
         try:
             details = json.loads(path.read_text())
             plan = details["plan"]
             plans.append(DrawPlan(**{k: tuple(v) if isinstance(v, list) else v for k, v in plan.items()}))
-            draws += details["draws"]
+            draws = details["draws"]
             envs.append(details.get("environment"))
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise SystemExit(f"--merge: {path}: not a bench_quality results file ({e})") from None
-    keys = [dataclasses.replace(p, tag="", keep_peer_data=False) for p in plans]
+        for d in draws:
+            seen = by_seed.setdefault(d["seed"], {**d, "eval": {}, "train": {}})
+            if seen["inputs"] != d["inputs"]:
+                raise SystemExit(
+                    f"--merge: {path}: seed {d['seed']} was drawn on other inputs than in an earlier file"
+                )
+            twice = sorted(set(seen["eval"]) & set(d["eval"]))
+            if twice:
+                raise SystemExit(f"--merge: {path}: seed {d['seed']}'s {', '.join(twice)} is in two files")
+            seen["eval"].update(d["eval"])
+            seen["train"].update(d["train"])
+    keys = [dataclasses.replace(p, tag="", keep_peer_data=False, lrs=()) for p in plans]
     if any(k != keys[0] for k in keys):
         raise SystemExit(f"--merge: the files ran different plans: {sorted({str(k) for k in keys})}")
-    seeds = [d["seed"] for d in draws]
-    if len(set(seeds)) != len(seeds):
-        raise SystemExit(f"--merge: a seed is in two files: {seeds}")
-    draws.sort(key=lambda d: d["seed"])
-    lines, figures = summarize(draws, plans[0])
+    rates = {lr for p in plans for lr in p.lrs}
+    if None in rates and len(rates) > 1:
+        raise SystemExit("--merge: some files swept learning rates and some did not")
+    plan = dataclasses.replace(plans[0], lrs=tuple(sorted(rates, key=lambda x: x or 0.0)))
+    draws = [by_seed[s] for s in sorted(by_seed)]
+    wanted = [draft_name(a, side, lr) for side, algs in (("ours", plan.ours), ("peer", plan.peer)) for a in algs
+              for lr in (plan.lrs if a != "baseline" else (None,))]  # fmt: skip
+    for d in draws:
+        missing = [n for n in wanted if n not in d["eval"]]
+        if missing:
+            raise SystemExit(f"--merge: seed {d['seed']} has no {', '.join(missing)} in these files")
+    lines, figures = summarize(draws, plan)
     hashes = {k: [d["inputs"][k] for d in draws] for k in draws[0]["inputs"]}
     _print_draws(draws)
     for line in lines:
         print(line, file=sys.stderr)
     if any(e != envs[0] for e in envs):
         log.warning("--merge: the files were run under different environments: %s", envs)
-    args.only = None
-    final = _final(args, draws, figures, hashes, sorted(seeds))
+    args.only, args.lrs = None, None if plan.lrs == (None,) else plan.lrs
+    final = _final(args, draws, figures, hashes, sorted(by_seed))
     print(json.dumps(final))
     return 0 if final["exact_match"] else 1
 

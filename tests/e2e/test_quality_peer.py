@@ -222,11 +222,43 @@ def test_merge_pools_draws_run_apart(tmp_path, capsys):
         final["seeds"] == [0, 1] and final["diffs_dflash"] == [1.0, 0.0] and final["min_diff_dflash"] == 0.0
     )
     assert final["diff_dflash"] == pytest.approx(0.5) and final["train_jsonl_sha256"] == ["t0", "t1"]
-    with pytest.raises(SystemExit, match="a seed is in two files"):
+    with pytest.raises(SystemExit, match="seed 0's dflash, peer-dflash is in two files"):
         bench_quality.main(["--merge", str(files[0]), str(files[0])])
     other = tmp_path / "other.json"
     other.write_text(json.dumps({"plan": {**plan, "lrs": [0.001]}, "draws": [runs[1]]}))
+    with pytest.raises(SystemExit, match="some files swept learning rates and some did not"):
+        bench_quality.main(["--merge", str(files[0]), str(other)])
+    other.write_text(json.dumps({"plan": {**plan, "peer": []}, "draws": [runs[1]]}))
     with pytest.raises(SystemExit, match="different plans"):
         bench_quality.main(["--merge", str(files[0]), str(other)])
+
+
+def test_merge_extends_a_sweep_with_rates_run_later(tmp_path, capsys):
+    import bench_quality
+    from quality_draw import DrawPlan
+
+    def swept(seed: int, lr: float, ours: list, peer: list) -> dict:
+        d = _draw(seed, ours, peer)
+        d["eval"] = {f"{k}@{lr:g}": v for k, v in d["eval"].items()}
+        d["train"] = {f"{k}@{lr:g}": v for k, v in d["train"].items()}
+        return d
+
+    plan = dataclasses.asdict(DrawPlan(ours=("dflash",), peer=("dflash",), lrs=(0.001,)))
+    first = tmp_path / "first.json"  # seeds 0 and 1 at 1e-3: ours ahead by 1 token per step on seed 0
+    first.write_text(json.dumps({"plan": plan, "draws": [swept(0, 0.001, [(30, 10)], [(20, 10)]),
+                                                         swept(1, 0.001, [(20, 10)], [(20, 10)])]}))  # fmt: skip
+    later = tmp_path / "later.json"  # the same draws at 5e-3: the peer best there, ahead of ours by 2
+    later.write_text(json.dumps({"plan": {**plan, "lrs": [0.005]}, "draws": [swept(0, 0.005, [(30, 10)], [(50, 10)]),
+                                                                            swept(1, 0.005, [(20, 10)], [(40, 10)])]}))  # fmt: skip
+    assert bench_quality.main(["--merge", str(later), str(first)]) == 0
+    final = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert final["sweep"]["ours_dflash"]["tau"] == {"0.001": 2.5, "0.005": 2.5}
+    assert final["sweep"]["peer_dflash"]["best_lr"] == 0.005 and final["diffs_dflash"] == [-2.0, -2.0]
+    lone = tmp_path / "lone.json"  # seed 2 at 5e-3 only: the merged sweep has no 1e-3 draft for it
+    lone.write_text(
+        json.dumps({"plan": {**plan, "lrs": [0.005]}, "draws": [swept(2, 0.005, [(9, 9)], [(9, 9)])]})
+    )
+    with pytest.raises(SystemExit, match="seed 2 has no dflash@0.001, peer-dflash@0.001"):
+        bench_quality.main(["--merge", str(first), str(later), str(lone)])
     with pytest.raises(SystemExit, match="not a bench_quality results file"):
         bench_quality.main(["--merge", str(tmp_path / "missing.json")])
