@@ -105,6 +105,7 @@ SIZES: dict[str, BenchSize] = {
         dflash_block_size=8,
         eagle3_ttt_steps=3,
         peer_dflash_lr=3e-3,
+        peer_eagle3_lr=5e-3,
         peer_dspark_lr=3e-3,
     ),
     "gpu": BenchSize(
