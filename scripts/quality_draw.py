@@ -149,7 +149,8 @@ def _compute_cap(algorithm: str, size: BenchSize, target: Path, store: Path, aux
                  device: str, extra: list[str], tag: str, peer: dict) -> dict:  # fmt: skip
     """With the peer's summary ``peer`` (its ``train_flops`` and ``step``): our per-step FLOPs from a
     :data:`PROBE_STEPS`-step run, and ``--max-steps`` where the peer's count would be passed
-    (``flags``, empty when the full run fits); ``{}`` without a peer."""
+    (``flags``; always set, since flags such as ``--epochs`` may give ours more steps than the peer's,
+    and a cap beyond the data stops where the data does); ``{}`` without a peer."""
     if not peer.get("train_flops") or not peer.get("step"):
         return {}
     probe_tag = "-".join(x for x in (tag, "probe") if x)
@@ -158,14 +159,11 @@ def _compute_cap(algorithm: str, size: BenchSize, target: Path, store: Path, aux
     for d in (work / f"train-{algorithm}-{probe_tag}", work / f"draft-{algorithm}-{probe_tag}"):
         shutil.rmtree(d, ignore_errors=True)
     per_step = facts["train_flops"] / max(int(facts.get("step") or PROBE_STEPS), 1)
-    steps = int(peer["step"])
     fit = int(peer["train_flops"] * COMPUTE_MARGIN // per_step)
-    out = {"compute_budget_flops": peer["train_flops"], "probe_flops_per_step": per_step, "full_steps": steps}
-    if fit < steps:
-        out["flags"] = ["--max-steps", str(fit)]
-        log.info("compute (%s): %.1f GFLOP/step against the peer's %.1f GFLOP in %d steps: %d steps",
-                 algorithm, per_step / 1e9, peer["train_flops"] / 1e9, steps, fit)  # fmt: skip
-    return out
+    log.info("compute (%s): %.1f GFLOP/step against the peer's %.1f GFLOP: at most %d steps",
+             algorithm, per_step / 1e9, peer["train_flops"] / 1e9, fit)  # fmt: skip
+    return {"compute_budget_flops": peer["train_flops"], "probe_flops_per_step": per_step, "max_steps": fit,
+            "flags": ["--max-steps", str(fit)]}  # fmt: skip
 
 
 def _reused_peer(work: Path, algorithm: str, lr: float | None, rate: float, size: BenchSize,

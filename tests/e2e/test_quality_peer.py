@@ -129,13 +129,17 @@ def test_ours_stops_at_the_peers_compute(store, tmp_path, tiny_model_dir):
     _, full = train_draft(*args)
     assert _compute_cap(*args, [], "", {}) == {}
     roomy = _compute_cap(*args, [], "", {"train_flops": 2 * full["train_flops"], "step": full["step"]})
-    assert "flags" not in roomy and roomy["full_steps"] == full["step"]
+    assert roomy["max_steps"] > full["step"]
+    _, uncapped = train_draft(*args, roomy["flags"], "roomy")  # a cap beyond the data: all the epochs
+    assert uncapped["step"] == full["step"]
     budget = {"train_flops": 0.6 * full["train_flops"], "step": full["step"]}
     cap = _compute_cap(*args, [], "", budget)
     steps = int(cap["flags"][cap["flags"].index("--max-steps") + 1])
-    assert 0 < steps < full["step"]
+    assert 0 < steps == cap["max_steps"] < full["step"]
     _, capped = train_draft(*args, cap["flags"], "capped")
     assert capped["step"] == steps and capped["train_flops"] <= budget["train_flops"]
+    more = _compute_cap(*args, ["--epochs", "6"], "", budget)  # more epochs than the peer's: still capped
+    assert more["max_steps"] == cap["max_steps"]
     assert not list(tmp_path.glob("*probe*"))  # the probe's run is removed
 
 
