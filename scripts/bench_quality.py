@@ -335,7 +335,7 @@ def _merge(args) -> int:
         print(line, file=sys.stderr)
     if any(e != envs[0] for e in envs):
         log.warning("--merge: the files were run under different environments: %s", envs)
-    args.only, args.lrs = None, None if plan.lrs == (None,) else plan.lrs
+    args.only = None
     final = _final(args, draws, figures, hashes, sorted(by_seed))
     print(json.dumps(final))
     return 0 if final["exact_match"] else 1

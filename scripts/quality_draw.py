@@ -113,10 +113,11 @@ def run_draw(
             t0, c0 = time.perf_counter(), cpu_seconds()
             budget = train.get(draft_name(algorithm, "peer", lr), {}) if plan.match_compute else {}
             cap = _compute_cap(algorithm, size, target, store, aux, work, device, extra, run_tag, budget)
+            capped = ["--max-steps", str(cap["max_steps"])] if cap else []
             drafts[name], train[name] = train_draft(
-                algorithm, size, target, store, aux, work, device, extra + cap.get("flags", []), run_tag
+                algorithm, size, target, store, aux, work, device, extra + capped, run_tag
             )
-            train[name].update({k: v for k, v in cap.items() if k != "flags"})
+            train[name].update(cap)
             train[name]["cpu_seconds"] = round(cpu_seconds() - c0, 1)
             train[name]["lr"] = lr or size_lr(size, algorithm, "ours")
             timings[f"train_{name}"] = time.perf_counter() - t0
@@ -148,9 +149,10 @@ def run_draw(
 def _compute_cap(algorithm: str, size: BenchSize, target: Path, store: Path, aux: list[int], work: Path,
                  device: str, extra: list[str], tag: str, peer: dict) -> dict:  # fmt: skip
     """With the peer's summary ``peer`` (its ``train_flops`` and ``step``): our per-step FLOPs from a
-    :data:`PROBE_STEPS`-step run, and ``--max-steps`` where the peer's count would be passed
-    (``flags``; always set, since flags such as ``--epochs`` may give ours more steps than the peer's,
-    and a cap beyond the data stops where the data does); ``{}`` without a peer."""
+    :data:`PROBE_STEPS`-step run and ``max_steps``, the step where the peer's count would be passed
+    (the caller always passes it as ``--max-steps``, since flags such as ``--epochs`` may give ours
+    more steps than the peer's, and a cap beyond the data stops where the data does); ``{}`` without
+    a peer."""
     if not peer.get("train_flops") or not peer.get("step"):
         return {}
     probe_tag = "-".join(x for x in (tag, "probe") if x)
@@ -162,8 +164,7 @@ def _compute_cap(algorithm: str, size: BenchSize, target: Path, store: Path, aux
     fit = int(peer["train_flops"] * COMPUTE_MARGIN // per_step)
     log.info("compute (%s): %.1f GFLOP/step against the peer's %.1f GFLOP: at most %d steps",
              algorithm, per_step / 1e9, peer["train_flops"] / 1e9, fit)  # fmt: skip
-    return {"compute_budget_flops": peer["train_flops"], "probe_flops_per_step": per_step, "max_steps": fit,
-            "flags": ["--max-steps", str(fit)]}  # fmt: skip
+    return {"compute_budget_flops": peer["train_flops"], "probe_flops_per_step": per_step, "max_steps": fit}
 
 
 def _reused_peer(work: Path, algorithm: str, lr: float | None, rate: float, size: BenchSize,

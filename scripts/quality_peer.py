@@ -219,37 +219,31 @@ def attention_formulas(tally: dict[str, float]) -> dict:
     aten = torch.ops.aten
 
     def allowed(q, k, mask, is_causal) -> float:
-        b, h, sq, _ = q.shape
-        sk = k.shape[-2]
+        """The share of (query, key) pairs the call attends to (a broadcast mask has its own mean)."""
         if mask is not None:
-            m = (
+            keep = (
                 mask
                 if mask.dtype == torch.bool
                 else torch.isfinite(mask) & (mask > torch.finfo(mask.dtype).min)
             )
-            return (
-                float(m.expand(b, m.shape[1], sq, sk).float().mean())
-                if m.shape[1] == 1
-                else float(m.expand(b, h, sq, sk).float().mean())
-            )
-        if is_causal:
-            return float(torch.ones(sq, sk, dtype=torch.bool).tril(sk - sq).float().mean())
+            return float(keep.float().mean())
+        if is_causal:  # sdpa's causal mask is aligned top-left: query i sees keys 0..i
+            return float(torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril().float().mean())
         return 1.0
 
-    def forward(q, k, v, dropout_p=0.0, is_causal=False, attn_mask=None, *args, out_val=None, **kwargs):
-        dense = 4.0 * q.shape[0] * q.shape[1] * q.shape[2] * k.shape[-2] * q.shape[-1]
-        density = allowed(q, k, attn_mask, is_causal)
+    def count(q, k, mask, is_causal, per_pair: float) -> int:
+        dense = per_pair * q.shape[0] * q.shape[1] * q.shape[2] * k.shape[-2] * q.shape[-1]
+        density = allowed(q, k, mask, is_causal)
         tally["dense"] += dense
         tally["allowed"] += dense * density
         return int(dense * density)
+
+    def forward(q, k, v, dropout_p=0.0, is_causal=False, attn_mask=None, *args, out_val=None, **kwargs):
+        return count(q, k, attn_mask, is_causal, 4.0)
 
     def backward(grad, q, k, v, out, lse, dropout_p=0.0, is_causal=False, attn_mask=None, *args, out_val=None,
                  **kwargs):  # fmt: skip
-        dense = 8.0 * q.shape[0] * q.shape[1] * q.shape[2] * k.shape[-2] * q.shape[-1]
-        density = allowed(q, k, attn_mask, is_causal) if attn_mask is not None or is_causal else 1.0
-        tally["dense"] += dense
-        tally["allowed"] += dense * density
-        return int(dense * density)
+        return count(q, k, attn_mask, is_causal, 8.0)
 
     forward._get_raw = backward._get_raw = True  # type: ignore[attr-defined]
     return {aten._scaled_dot_product_flash_attention_for_cpu: forward,

@@ -118,6 +118,11 @@ def test_the_peers_attention_is_counted_over_the_pairs_its_mask_allows():
         torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask).sum().backward()
     dense = (4 + 8) * 2 * 16 * 32 * 8  # forward + backward, heads x q x k x head_dim
     assert counter.get_total_flops() == tally["allowed"] == dense / 4 and tally["dense"] == dense
+    causal = {"dense": 0.0, "allowed": 0.0}
+    counter = FlopCounterMode(display=False, custom_mapping=attention_formulas(causal))
+    with counter:  # sdpa aligns a causal mask top-left: query i sees keys 0..i, 136 of the 16 x 32 pairs
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+    assert counter.get_total_flops() == causal["allowed"] == dense * 136 / 512
 
 
 def test_ours_stops_at_the_peers_compute(store, tmp_path, tiny_model_dir):
@@ -130,13 +135,15 @@ def test_ours_stops_at_the_peers_compute(store, tmp_path, tiny_model_dir):
     assert _compute_cap(*args, [], "", {}) == {}
     roomy = _compute_cap(*args, [], "", {"train_flops": 2 * full["train_flops"], "step": full["step"]})
     assert roomy["max_steps"] > full["step"]
-    _, uncapped = train_draft(*args, roomy["flags"], "roomy")  # a cap beyond the data: all the epochs
+    _, uncapped = train_draft(
+        *args, ["--max-steps", str(roomy["max_steps"])], "roomy"
+    )  # beyond the data: all
     assert uncapped["step"] == full["step"]
     budget = {"train_flops": 0.6 * full["train_flops"], "step": full["step"]}
     cap = _compute_cap(*args, [], "", budget)
-    steps = int(cap["flags"][cap["flags"].index("--max-steps") + 1])
-    assert 0 < steps == cap["max_steps"] < full["step"]
-    _, capped = train_draft(*args, cap["flags"], "capped")
+    steps = cap["max_steps"]
+    assert 0 < steps < full["step"]
+    _, capped = train_draft(*args, ["--max-steps", str(steps)], "capped")
     assert capped["step"] == steps and capped["train_flops"] <= budget["train_flops"]
     more = _compute_cap(*args, ["--epochs", "6"], "", budget)  # more epochs than the peer's: still capped
     assert more["max_steps"] == cap["max_steps"]
