@@ -43,11 +43,11 @@ from pathlib import Path
 
 import numpy as np
 
-from hsgen import protocol
-from hsgen.client import ClientConfig
-from hsgen.generate import GenerateConfig, generate
-from hsgen.render import RenderedPrompt
-from hsgen.saturate import SaturationConfig
+from hsgen.client.config import ClientConfig
+from hsgen.client.saturate import SaturationConfig
+from hsgen.generate.pipeline import GenerateConfig, generate
+from hsgen.inputs.render import RenderedPrompt
+from hsgen.protocol import extraction as protocol
 from hsgen.store import HiddenStateStore, StoreHeader
 
 

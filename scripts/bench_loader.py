@@ -8,7 +8,7 @@ once; then, interleaved and repeated in one run:
   token ids and loss mask, byte ranges from ``docs/format.md``), in plan order, into one reused
   buffer of a packed sequence (page-locked when CUDA exists, else preallocated): one thread,
   and ``--threads`` threads splitting the samples; the better of the two is the raw limit;
-- *loader*: :class:`spectrain.data.PackedLoader` over :class:`spectrain.data.StoreSource`,
+- *loader*: :class:`spectrain.data.sources.PackedLoader` over :class:`spectrain.data.sources.StoreSource`,
   every batch of 8192-token sequences, with each sample's checksum checked (the default) and
   without.
 
@@ -145,8 +145,8 @@ _BUFFERS = None
 def _loader(store_path: Path, plan: list[str], seq: int, threads: int, verify: bool):
     """The loader as training builds it (one buffer pool for the whole run, as the trainer keeps)."""
     global _BUFFERS
-    from spectrain.data import StoreSource
-    from spectrain.loader import BufferPool, PackedLoader
+    from spectrain.data.loader import BufferPool, PackedLoader
+    from spectrain.data.sources import StoreSource
 
     _BUFFERS = _BUFFERS or BufferPool()
     src = StoreSource(store_path, val_fraction=0.0, verify=verify)
@@ -190,7 +190,7 @@ def bench_loader(
         path = Path(tmp) / "store"
         t0 = time.perf_counter()
         store = write_store(path, tokens)
-        from spectrain.data import StoreSource
+        from spectrain.data.sources import StoreSource
 
         plan = StoreSource(path, val_fraction=0.0).plan(0)
         raw = RawReader(store, plan, seq)

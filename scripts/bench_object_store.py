@@ -163,7 +163,7 @@ def bench_object_store(
 def _measure(url: str, endpoint: str, proxy: str, *, quick: bool, latency_ms: float, tmp: Path, write_store,
              time_loader) -> dict:  # fmt: skip
     from hsgen.store import HiddenStateStore
-    from spectrain.data import StoreSource
+    from spectrain.data.sources import StoreSource
 
     os.environ["AWS_ENDPOINT_URL"] = endpoint
     tokens = 8192 if quick else 32768

@@ -2,7 +2,7 @@
 
 A reference server (``hsgen serve --model tiny``) runs with a capacity model (a GPU's prefill
 tokens/s and concurrency), in its own process. A simulated trainer reads packed sequences
-through :class:`spectrain.online.OnlineSource` and :class:`spectrain.data.PackedLoader` exactly
+through :class:`spectrain.online.OnlineSource` and :class:`spectrain.data.sources.PackedLoader` exactly
 as ``spectrain train --online`` does, spends a fixed time per optimizer step (the GPU's work),
 then reports the step's samples consumed (``--delete-consumed``). The server's capacity is set
 to ``--headroom`` times the trainer's consumption.
@@ -96,10 +96,10 @@ def tiny_bench(args) -> dict:
     """The paced-trainer run against the tiny reference server (see the module docstring)."""
     import torch
 
-    from hsgen.sample_data import sample_chats_path
+    from hsgen.hf.tiny import ensure_tiny_model
+    from hsgen.inputs.sample_data import sample_chats_path
     from hsgen.serve.testing import running_server
-    from hsgen.tiny import ensure_tiny_model
-    from spectrain.data import PackedLoader
+    from spectrain.data.sources import PackedLoader
     from spectrain.online import OnlineConfig, OnlineSource, dir_bytes
 
     torch.set_num_threads(1)
@@ -186,8 +186,8 @@ def tiny_bench(args) -> dict:
 
 def render_ms_per_prompt(prompts: Path, model: Path) -> float:
     """Milliseconds to render one prompt locally (what sizing the LR schedule costs per prompt online)."""
-    from hsgen.inputs import read_inputs
-    from hsgen.render import ChatRenderer, RenderConfig
+    from hsgen.inputs.formats import read_inputs
+    from hsgen.inputs.render import ChatRenderer, RenderConfig
 
     renderer = ChatRenderer(RenderConfig(tokenizer_path=str(model)))
     samples = list(read_inputs([str(prompts)]))

@@ -1,10 +1,10 @@
 """Hand-written parts against the maintained libraries that could replace them, side by side.
 
-- Prometheus text: ``hsgen.protocol.parse_prometheus`` (a line parser) against prometheus_client's
+- Prometheus text: ``hsgen.protocol.extraction.parse_prometheus`` (a line parser) against prometheus_client's
   parser, on a vLLM-sized ``/metrics`` page (the client polls every server every 50 ms).
 - Sample checksums: the store's ``bsum64`` (format version 1) against ``xxh3`` (version 2,
   ``xxhash``) over the same numpy buffers, and zlib CRC-32, on one sample of realistic size.
-- Retries: what the client's tenacity retry loop (``hsgen.retry``) adds to a fetch that succeeds
+- Retries: what the client's tenacity retry loop (``hsgen.client.retry``) adds to a fetch that succeeds
   at once, against awaiting the same coroutine bare (the hand-written loop it replaced cost no
   more than that).
 
@@ -61,7 +61,7 @@ def _time(fn, *args, repeat: int) -> float:
 
 async def _retry_overhead_us(calls: int) -> tuple[float, float]:
     """Microseconds per call: (awaited bare, inside the client's tenacity retry loop)."""
-    from hsgen.retry import retrying
+    from hsgen.client.retry import retrying
 
     async def attempt() -> int:
         return 1
@@ -92,7 +92,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=4096)
     args = ap.parse_args()
 
-    from hsgen.protocol import parse_prometheus
+    from hsgen.protocol.extraction import parse_prometheus
     from hsgen.store.codecs import checksum
 
     page = _vllm_metrics_page()

@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from hsgen.tiny import default_cache_dir
+    from hsgen.hf.tiny import default_cache_dir
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     torch.set_num_threads(max(1, args.threads))

@@ -29,7 +29,7 @@ import time
 
 import aiohttp
 
-from hsgen import protocol
+from hsgen.protocol import extraction as protocol
 from hsgen.serve.testing import running_server, wait_for_file
 
 log = logging.getLogger("bench_serve")

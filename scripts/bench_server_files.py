@@ -2,12 +2,12 @@
 """Reading a server's hidden-state file through its descriptor: the client's read against the alternatives.
 
 The client opens each vLLM file without following links and checks it is a regular file
-(``hsgen.shared_dir``); what it does with that descriptor is measured here, on files of the
+(``hsgen.client.shared_dir``); what it does with that descriptor is measured here, on files of the
 reference size (8192 tokens x 4 layers x 4096, bf16: 256 MiB) in ``/dev/shm`` (the page cache,
 as for a server writing to tmpfs), one thread, interleaved, median of the rounds:
 
-- ``client``: :func:`hsgen.hidden_file.read_hidden_states_fd`: the header checked by
-  ``hsgen.protocol``, each tensor read with ``preadv`` into a new array (one copy);
+- ``client``: :func:`hsgen.client.hidden_file.read_hidden_states_fd`: the header checked by
+  ``hsgen.protocol.extraction``, each tensor read with ``preadv`` into a new array (one copy);
 - ``mmap_view``: ``read_hidden_states_fd(fd, map_file=True)`` (``ClientConfig.map_files``): the
   same header check, the file mapped (``MAP_PRIVATE|MAP_POPULATE``) and returned as views, no
   copy (what the client did by default before: a writer that truncates the file later kills the
@@ -41,8 +41,8 @@ import time
 
 import numpy as np
 
-from hsgen import protocol
-from hsgen.hidden_file import STORAGE_DTYPES, all_finite, read_hidden_states_fd
+from hsgen.client.hidden_file import STORAGE_DTYPES, all_finite, read_hidden_states_fd
+from hsgen.protocol import extraction as protocol
 
 
 def write_file(path: str, tokens: int, layers: int, hidden: int, seed: int) -> None:

@@ -104,8 +104,8 @@ def targets_differing(raw: Path, store: Path, target: Path) -> tuple[int, int]:
     import torch
 
     from hsgen.store import HiddenStateStore
-    from spectrain.batch import storage_to_torch
-    from spectrain.verifier import VerifierHeads
+    from spectrain.data.batch import storage_to_torch
+    from spectrain.models.verifier import VerifierHeads
 
     heads = VerifierHeads.load(target)
     states, ids = HiddenStateStore.open(raw), HiddenStateStore.open(store)
@@ -174,8 +174,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    from hsgen.hf.tiny import default_cache_dir
     from hsgen.store import HiddenStateStore
-    from hsgen.tiny import default_cache_dir
 
     torch.set_num_threads(max(1, args.threads))
     os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(max(1, args.threads))

@@ -8,7 +8,7 @@ vocab 32000; fp32 master weights, bf16 autocast, AdamW, FlexAttention. The packe
 documents of random lengths in [S/16, S/3) with the loss on the last 65% of each, as the
 peer's benchmark (``--layout equal --docs N`` for N equal documents, loss everywhere).
 
-Timed (default): ``spectrain train``'s own step (``spectrain.step.train_step``: forward,
+Timed (default): ``spectrain train``'s own step (``spectrain.train.step.train_step``: forward,
 backward, clipping, the non-finite check, the update; no host-device sync) on a batch already
 on the device; on a GPU at the reference shape (AdamW, and the default optimizer of
 ``spectrain train`` too when it differs), on CPU at a small shape. ``--compile on|both`` times
@@ -27,7 +27,7 @@ run cut by a time bound keeps what it finished; the last line of a whole run has
 draft; DSpark at DFlash's shape with a rank-256 Markov head and the confidence head, timed only).
 
 ``--plan``: no GPU needed. Builds both drafts at the reference shape with the real model classes
-under FakeTensorMode and runs two whole steps through them (``spectrain.accounting``): FLOPs
+under FakeTensorMode and runs two whole steps through them (``spectrain.train.accounting``): FLOPs
 of forward + backward, peak memory (weights, gradients, AdamW state, activations, loss
 temporaries). Each variant the code offers is planned: ``as-is`` (the models unchanged), and
 where the models route their vocabulary loss through ``vocab_loss`` the eager and the chunked
@@ -36,7 +36,7 @@ Last stdout line: JSON with ``dflash_tflop_per_step``, ``eagle3_tflop_per_step``
 ``dflash_est_peak_gib``, ``eagle3_est_peak_gib`` (the leanest variant, named in ``*_variant``),
 every variant, and the peer's figures; ``*_muon_split``: with ``spectrain train``'s Muon, the
 Newton-Schulz TFLOP of the busiest rank when 1, 2 or 8 DDP ranks share the orthogonalisation
-(``spectrain.muon``), and that rank's whole step (its forward + backward, plus its share).
+(``spectrain.train.muon``), and that rank's whole step (its forward + backward, plus its share).
 """
 
 from __future__ import annotations
@@ -92,9 +92,9 @@ TARGETS = {"dflash_tflop_per_step": 84.0, "dflash_est_peak_gib": 30.0,
 
 def synthetic_verifier(shape: dict, device: torch.device, dtype: torch.dtype):
     """Random frozen heads with the verifier's shape (no checkpoint needed), drawn where they
-    live (2 x 622M normals at the reference shape): ``spectrain.plan.synthetic_heads``."""
-    from spectrain.plan import synthetic_heads
-    from spectrain.verifier import VerifierInfo
+    live (2 x 622M normals at the reference shape): ``spectrain.train.cost.synthetic_heads``."""
+    from spectrain.models.verifier import VerifierInfo
+    from spectrain.train.cost import synthetic_heads
 
     info = VerifierInfo(
         path="synthetic", name_or_path="Qwen/Qwen3-8B", architectures=("Qwen3ForCausalLM",), model_type="qwen3",
@@ -108,9 +108,9 @@ def synthetic_verifier(shape: dict, device: torch.device, dtype: torch.dtype):
 
 def synthetic_batch(shape: dict, n_aux: int, device, layout: str = "peer", docs: int = 1, seed: int = 1,
                     hidden: int | None = None):  # fmt: skip
-    """One packed sequence of ``shape`` (``spectrain.plan.synthetic_batch``): ``peer`` documents
+    """One packed sequence of ``shape`` (``spectrain.train.cost.synthetic_batch``): ``peer`` documents
     have the loss on their last 65%, ``equal`` ones everywhere."""
-    from spectrain.plan import synthetic_batch as batch
+    from spectrain.train.cost import synthetic_batch as batch
 
     return batch(shape["seq"], hidden or shape["hidden"], shape["vocab"], n_aux, device, layout, docs, seed)
 
@@ -131,7 +131,7 @@ def build(name: str, opts: dict, shape: dict, device, heads_dtype):
 def default_optimizer(algorithm: str) -> str:
     """The optimizer ``spectrain train`` uses by default for ``algorithm`` (``auto`` resolved)."""
     from spectrain.models import get_config_class
-    from spectrain.train import TrainConfig
+    from spectrain.train.loop import TrainConfig
 
     kind = next((f.default for f in dataclasses.fields(TrainConfig) if f.name == "optimizer"), "adamw")
     return get_config_class(algorithm).default_optimizer if kind == "auto" else kind
@@ -139,15 +139,15 @@ def default_optimizer(algorithm: str) -> str:
 
 def make_optimizer(model, kind: str):
     """``spectrain train``'s optimizers (fused AdamW, or Muon + AdamW): ``Optimizers``."""
-    from spectrain.optim import OptimConfig, build_optimizers
+    from spectrain.train.optim import OptimConfig, build_optimizers
 
     return build_optimizers(model, OptimConfig(optimizer=kind, lr=1e-4), lambda s: 1.0, fused=True)
 
 
 def train_step(model, opt, batch, amp_device: str | None, seed: int):
-    """One step of ``spectrain train`` (``spectrain.step.train_step``): forward, backward,
+    """One step of ``spectrain train`` (``spectrain.train.step.train_step``): forward, backward,
     clipping, the non-finite check and the update, with no host-device sync; returns its result."""
-    from spectrain.step import train_step as step
+    from spectrain.train.step import train_step as step
 
     device = batch.input_ids.device
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -212,7 +212,7 @@ def bench_model(name, opts, shape, device, steps, warmup, layout, docs, optimize
         "first_step_s": first,
     }
     if sync_census:
-        from spectrain.sync_census import census
+        from spectrain.train.sync_census import census
 
         run = functools.partial(train_step, model, opt, batch, amp, 0)
         out["syncs"] = census(run, device)
@@ -229,7 +229,7 @@ def bench_loader(hidden: int, samples: int, tokens: int, seq: int, workers: int)
     """Tokens/s of PackedLoader (DataLoader workers) over a fresh store of 3 aux + 1 target layers."""
     from hsgen.store import HiddenStateStore, StoreHeader
     from hsgen.store.synthetic import make_sample
-    from spectrain.data import PackedLoader, StoreSource
+    from spectrain.data.sources import PackedLoader, StoreSource
 
     with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
         header = StoreHeader(
@@ -368,7 +368,7 @@ def plan_variants(name: str) -> list[dict]:
 def mask_density(name: str, opts: dict, shape: dict, layout: str) -> dict:
     """Allowed-pair fraction of every attention mask, from a tiny-width real copy of the draft
     on the same batch layout (the masks depend on positions, documents and anchors only)."""
-    from spectrain.accounting import measure_mask_density
+    from spectrain.train.accounting import measure_mask_density
 
     narrow = dict(shape, hidden=64, heads=4, kv=2, head_dim=16, inter=64, vocab=min(shape["vocab"], 4096))
     small = dict(opts, attention_backend="flex")
@@ -396,7 +396,7 @@ def cuda_chunking():
 
 def plan_one(name: str, opts: dict, shape: dict, layout: str, variant: dict, density: dict) -> dict:
     """Plan one configuration of one draft (two steps under fake tensors, the loss chunked as on CUDA)."""
-    from spectrain.accounting import account_steps, fake_tensors
+    from spectrain.train.accounting import account_steps, fake_tensors
 
     cfg = dict(opts, attention_backend="flex")
     if variant["freeze_lm_head"] is not None:
@@ -423,7 +423,7 @@ MUON_RANKS = (1, 2, 8)
 def muon_split_plan(model) -> dict[str, float]:
     """Newton-Schulz TFLOP of one step on the busiest rank when ``spectrain train``'s Muon splits
     the orthogonalisation over 1, 2 and 8 DDP ranks (the optimizer's own assignment and count)."""
-    from spectrain.optim import MuonSplit, OptimConfig, build_optimizers
+    from spectrain.train.optim import MuonSplit, OptimConfig, build_optimizers
 
     cfg = OptimConfig(optimizer="muon", lr=1e-4)
     out = {}

@@ -80,9 +80,9 @@ def train(work: Path, model: Path, store: Path, name: str, epochs: int) -> Path:
 
 def launch(draft: Path, model: Path, args, logs: Path):
     """A vLLM server for ``draft`` with the method its export names, started without waiting."""
-    from hsgen.vllm_server import launch_server, speculative_args, vllm_python
-    from spectrain.draft_io import read_export_config
-    from spectrain.export import speculative_config_for
+    from hsgen.vllm.server import launch_server, speculative_args, vllm_python
+    from spectrain.export.read import read_export_config
+    from spectrain.export.write import speculative_config_for
 
     spec = speculative_config_for(draft, read_export_config(draft))
     env = {"VLLM_USE_V2_MODEL_RUNNER": "1"} if spec["method"] == "dspark" else None  # its only runner
@@ -93,7 +93,7 @@ def launch(draft: Path, model: Path, args, logs: Path):
 
 def serve_and_eval(server, t0: float, draft: Path, model: Path, prompts: Path, args) -> dict:
     """Wait for ``server`` (launched at ``t0``), run ``spectrain eval --endpoint`` on it, stop it."""
-    from hsgen.vllm_server import wait_healthy
+    from hsgen.vllm.server import wait_healthy
 
     try:
         wait_healthy(server, max(1.0, args.startup_timeout - (time.monotonic() - t0)))
@@ -132,13 +132,13 @@ def main() -> None:
     work = args.work or Path(tempfile.mkdtemp(prefix="bench-vllm-parity-"))
     work.mkdir(parents=True, exist_ok=True)
 
-    from hsgen.sample_data import sample_chats_path
-    from hsgen.tiny import VLLM_SPEC, ensure_tiny_model
-    from hsgen.vllm_server import vllm_python
+    from hsgen.hf.tiny import VLLM_SPEC, ensure_tiny_model
+    from hsgen.inputs.sample_data import sample_chats_path
+    from hsgen.vllm.server import vllm_python
 
     python = vllm_python(args.vllm_venv)  # fail now, not after training, when vLLM is not installed
     if args.dspark:
-        from hsgen.vllm_command import probe_vllm
+        from hsgen.vllm.command import probe_vllm
 
         if probe_vllm(str(python)).build == "cpu":
             raise SystemExit("--dspark: vLLM serves DSpark only in its V2 GPU runner; this is the CPU build "

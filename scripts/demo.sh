@@ -18,8 +18,8 @@ WORK=$(cd "$WORK" && pwd)
 if [ -d /dev/shm ] && [ -w /dev/shm ]; then SHARED=/dev/shm/hsgen-demo-$$; else SHARED=$WORK/shared; fi
 mkdir -p "$SHARED"
 
-MODEL=$(python -c 'from hsgen.tiny import ensure_tiny_model; print(ensure_tiny_model())')
-CHATS=$(python -c 'from hsgen.sample_data import sample_chats_path; print(sample_chats_path())')
+MODEL=$(python -c 'from hsgen.hf.tiny import ensure_tiny_model; print(ensure_tiny_model())')
+CHATS=$(python -c 'from hsgen.inputs.sample_data import sample_chats_path; print(sample_chats_path())')
 
 echo "[demo] 1/4 starting the reference server on port $PORT (log: $WORK/serve.log)" >&2
 hsgen serve --model tiny --layers "$LAYERS" --shared-storage-path "$SHARED" --port "$PORT" >"$WORK/serve.log" 2>&1 &

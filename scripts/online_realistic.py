@@ -48,7 +48,7 @@ def write_prompts(prompts: Path, records: list[str], copies: int) -> None:
 
 def write_files(directory: Path, prompts: Path, total_tokens: int) -> list[int]:
     """Token-id prompts (JSONL) and one vLLM-style file per prompt (hidden 4 x 4096 bf16); their lengths."""
-    from hsgen import protocol
+    from hsgen.protocol import extraction as protocol
 
     rng = np.random.default_rng(0)
     row = len(LAYERS) * HIDDEN
@@ -78,7 +78,7 @@ def _serve(master: str, shared: str, port_out) -> None:
 
     from aiohttp import web
 
-    from hsgen import protocol
+    from hsgen.protocol import extraction as protocol
 
     async def models(_request):
         return web.json_response({"object": "list", "data": [{"id": "bench", "object": "model"}]})
@@ -146,7 +146,7 @@ class RawFiles:
     """The baseline: each file's hidden states and token ids read with ``preadv`` into one reused buffer."""
 
     def __init__(self, master: Path):
-        from hsgen import protocol
+        from hsgen.protocol import extraction as protocol
 
         self.spans = []
         for path in sorted(master.glob("*.safetensors")):
@@ -196,7 +196,7 @@ class RawFiles:
 def online_pass(url: str, shared: Path, prompts: Path, model: Path, work: Path, *, persist: bool | None, threads: int,
                 bound: int, epochs: int = 1, step_s: float = 0.0, buffers=None) -> dict:  # fmt: skip
     """Train-like consumption through OnlineSource + PackedLoader; bytes/s and per-step waits."""
-    from spectrain.data import PackedLoader
+    from spectrain.data.sources import PackedLoader
     from spectrain.online import OnlineConfig, OnlineSource
 
     work.mkdir(parents=True)
@@ -246,8 +246,8 @@ def realistic_bench(
     *, quick: bool, threads: int = 2, repeats: int | None = None, tmp_dir: str = "/dev/shm"
 ) -> dict:
     """Run the realistic mode (see ``bench_online.py``); returns its keys."""
-    from hsgen.tiny import ensure_tiny_model
-    from spectrain.loader import BufferPool
+    from hsgen.hf.tiny import ensure_tiny_model
+    from spectrain.data.loader import BufferPool
 
     repeats = repeats or 3  # an odd count: the median is one measured repeat
     # long passes: a pass pays one pipeline fill (~0.1 s here), which the whole-pass rate includes

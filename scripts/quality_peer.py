@@ -78,7 +78,7 @@ def write_peer_data(store_path: Path, layer_ids: list[int], out: Path, val_fract
     from safetensors.torch import save_file
 
     from hsgen.store import HiddenStateStore
-    from spectrain.data import split_of
+    from spectrain.data.sources import split_of
 
     store = HiddenStateStore.open(store_path)
     ids = sorted(

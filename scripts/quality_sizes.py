@@ -146,7 +146,7 @@ SPECULATORS_RECIPE = {
     "eagle3": "--target-mode soft --loss-norm count --loss-mask-on source --freeze-lm-head --norm-before-fc "
     "--norm-output --ttt-step-loss-decay 1.0 --sliding-window 2048 " + SPECULATORS_OPTIMIZER,
 }
-"""speculators 0.9.0's defaults as our options (tests/spectrain/test_differential_*.py prove them equal):
+"""speculators 0.9.0's defaults as our options (tests/spectrain/models/test_differential_*.py prove them equal):
 ``--recipe speculators`` trains with these, standing in for its trainer in a side-by-side run."""
 
 
@@ -159,7 +159,7 @@ def draft_layers(num_hidden_layers: int) -> tuple[list[int], list[int]]:
     The defaults (DFlash: 5 layers from 1 to L-3; Eagle3: 2, L//2, L-3) assume a deep verifier;
     on a 4-6 layer target they collapse to one or two distinct layers.
     """
-    from hsgen import protocol
+    from hsgen.protocol import extraction as protocol
 
     L = num_hidden_layers
     dflash = protocol.default_dflash_layer_ids(L, 5)[:-1]

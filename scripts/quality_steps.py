@@ -263,9 +263,9 @@ def export_untrained(aux: list[int], size: BenchSize, target: Path, out: Path) -
     """The baseline: the benchmark's DFlash architecture at its initialization, exported the same way."""
     import torch
 
-    from spectrain.export import export_draft
+    from spectrain.export.write import export_draft
     from spectrain.models import build_draft, get_config_class
-    from spectrain.verifier import VerifierHeads
+    from spectrain.models.verifier import VerifierHeads
 
     cfg = get_config_class("dflash")(aux_layer_ids=tuple(aux), num_layers=size.dflash_layers,
                                      block_size=size.dflash_block_size, max_anchors=size.dflash_max_anchors)  # fmt: skip

@@ -175,7 +175,7 @@ def _build_and_train_target(model_dir: Path, spec: TargetSpec, device: str, sett
     from tqdm import tqdm
     from transformers import AutoTokenizer, Qwen3ForCausalLM
 
-    from hsgen.tiny import TinyModelSpec, build_model_dir
+    from hsgen.hf.tiny import TinyModelSpec, build_model_dir
 
     files = stdlib_files(spec.corpus_share)
     train_files = [f for f in files if not is_held_out(f[0])]

@@ -4,7 +4,7 @@ Starts ``python -m vllm.entrypoints.openai.api_server`` (from the vLLM venv, e.g
 ``scripts/install_vllm.sh`` makes) on a tiny Qwen3 model with ``--max-model-len 64`` and
 ``--enable-scale-out``, sends every request of :data:`CASES`, and writes them with vLLM's status
 and JSON answer to ``--out`` (default ``tests/data/vllm-answers.json``), which
-``tests/hsgen/test_serve_vllm_errors.py`` replays against ``hsgen serve``. No hidden-state
+``tests/hsgen/serve/test_serve_vllm_errors.py`` replays against ``hsgen serve``. No hidden-state
 connector is loaded: the answers recorded are the ones given before the engine runs.
 
     python scripts/record_vllm_answers.py --python .venv-vllm/bin/python
@@ -93,7 +93,7 @@ def _free_port() -> int:
 
 def _tiny_model(cache: Path) -> Path:
     """The built-in tiny model with head_dim 32 (vLLM's CPU attention refuses 16), untrained."""
-    from hsgen.tiny import TinyModelSpec, ensure_tiny_model
+    from hsgen.hf.tiny import TinyModelSpec, ensure_tiny_model
 
     return ensure_tiny_model(cache, TinyModelSpec(head_dim=32, pretrain_steps=0))
 

@@ -77,8 +77,8 @@ def main() -> None:
     if args.quick:
         args.runs, args.parallel = 4, 4
 
-    from hsgen.sample_data import sample_chats_path
-    from hsgen.tiny import ensure_tiny_model
+    from hsgen.hf.tiny import ensure_tiny_model
+    from hsgen.inputs.sample_data import sample_chats_path
 
     model = ensure_tiny_model()
     chats = Path(sample_chats_path()).read_text().splitlines()[:30]

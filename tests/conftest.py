@@ -10,7 +10,7 @@ import pytest
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
     """Directory of the built-in tiny Qwen3-style verifier (built once, then cached)."""
-    from hsgen.tiny import ensure_tiny_model
+    from hsgen.hf.tiny import ensure_tiny_model
 
     return ensure_tiny_model()
 
@@ -18,7 +18,7 @@ def tiny_model_dir() -> Path:
 @pytest.fixture(scope="session")
 def sample_chats_path() -> Path:
     """The shipped sample chat dataset (JSONL of OpenAI ``messages``)."""
-    from hsgen.sample_data import sample_chats_path
+    from hsgen.inputs.sample_data import sample_chats_path
 
     return sample_chats_path()
 

@@ -1,4 +1,6 @@
-"""House rules of both packages: no module over 600 lines, no import circle.
+"""House rules of both packages (docs/design.md, "The house"): folders by job with at most 8 modules
+beside them, click only under ``*/cli/``, the store's private state read by the store alone, old
+module paths only as shims nobody inside imports, no module over 600 lines, no import circle.
 
 The import graph counts every ``import`` in a module, inside functions too, except those under
 ``if TYPE_CHECKING:`` (type-only): a circle through a lazy import is still a circle a reader has to
@@ -8,6 +10,7 @@ untangle, and one edit away from an import-time failure.
 from __future__ import annotations
 
 import ast
+import inspect
 from pathlib import Path
 
 import hsgen
@@ -82,7 +85,11 @@ def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_import_cycle():
     graph = import_graph()
-    assert "hsgen.generate" in graph and "spectrain.train" in graph and "spectrain.checkpoint" in graph
+    assert (
+        "hsgen.generate.pipeline" in graph
+        and "spectrain.train.loop" in graph
+        and "spectrain.train.checkpoint" in graph
+    )
     assert find_cycles(graph) == []
 
 
@@ -106,3 +113,132 @@ def test_no_module_over_600_lines():
         name: n for name, path in _modules().items() if (n := len(path.read_text().splitlines())) > MAX_LINES
     }
     assert long == {}, f"split these modules (at most {MAX_LINES} lines each): {long}"
+
+
+MAX_TOP_MODULES = 8
+
+
+def _imports_of(path: Path) -> set[str]:
+    """Every module name ``path`` imports (absolute; functions and TYPE_CHECKING blocks included)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module)
+            names |= {f"{node.module}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+    return names
+
+
+def test_each_package_top_level_holds_few_modules():
+    for root in ROOTS:
+        modules = sorted(p.name for p in root.glob("*.py"))
+        assert len(modules) <= MAX_TOP_MODULES, f"{root.name}: {modules} (a folder per job instead)"
+
+
+def test_click_only_under_cli():
+    wrong = sorted(
+        name for name, path in _modules().items()
+        if ".cli" not in f".{name}" and any(n == "click" or n.startswith("click.") for n in _imports_of(path))
+    )  # fmt: skip
+    assert wrong == [], f"click outside */cli/: {wrong}"
+
+
+def _store_private_names() -> set[str]:
+    """The private attributes and methods of HiddenStateStore (``self._x`` assigned or ``def _x``)."""
+    from hsgen.store.store import HiddenStateStore
+
+    tree = ast.parse(Path(inspect.getsourcefile(HiddenStateStore)).read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "HiddenStateStore")
+    names = {n.name for n in cls.body if isinstance(n, ast.FunctionDef) and n.name.startswith("_")}
+    for node in ast.walk(cls):
+        is_self = (
+            isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self"
+        )
+        if is_self and node.attr.startswith("_") and not node.attr.startswith("__"):
+            names.add(node.attr)
+    return {n for n in names if not n.startswith("__")}
+
+
+def test_nobody_reads_the_stores_private_state():
+    """Helpers use the written interface (hsgen.store.view.StoreView), not ``store._replay`` and the like."""
+    private = _store_private_names()
+    assert {"_replay", "_index", "_backend"} <= private
+    wrong = []
+    for name, path in _modules().items():
+        if name == "hsgen.store.store":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and node.attr in private
+                    and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+                    and "store" in ast.unparse(node.value).lower()):  # fmt: skip
+                wrong.append(f"{name}: {ast.unparse(node)}")
+    assert wrong == []
+
+
+def test_old_module_paths_are_shims_nobody_inside_imports():
+    from hsgen._moved import MOVED as HSGEN_MOVED
+    from spectrain._moved import MOVED as SPECTRAIN_MOVED
+
+    moved = {**HSGEN_MOVED, **SPECTRAIN_MOVED}
+    modules = _modules()
+    assert not set(moved) & set(modules), "an old path is a module again"
+    assert set(moved.values()) <= set(modules)
+    wrong = {name: sorted(n for n in _imports_of(path) if n in moved) for name, path in modules.items()}
+    assert {k: v for k, v in wrong.items() if v} == {}
+
+
+def test_an_old_path_imports_the_same_module_with_a_warning():
+    import importlib
+    import sys
+    import warnings
+
+    import hsgen.client.config as new
+
+    sys.modules.pop("hsgen.client_types", None)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        old = importlib.import_module("hsgen.client_types")
+    assert old is new and new.__spec__.name == "hsgen.client.config"
+    assert any(
+        issubclass(w.category, DeprecationWarning) and "hsgen.client.config" in str(w.message) for w in seen
+    )
+
+
+def test_package_faces_keep_the_old_modules_names():
+    import hsgen.client
+    import hsgen.protocol
+    import spectrain.data
+    import spectrain.train
+    from hsgen.client.fetch import HiddenStateClient
+    from spectrain.train.loop import train
+
+    assert hsgen.client.HiddenStateClient is HiddenStateClient and spectrain.train.train is train
+    assert callable(hsgen.protocol.parse_layer_ids) and spectrain.data.Batch.__name__ == "Batch"
+
+
+def test_eval_does_not_import_the_reference_server():
+    graph = import_graph()
+    wrong = {m: sorted(d for d in deps if d.startswith("hsgen.serve")) for m, deps in graph.items()
+             if m == "spectrain.eval" or m.startswith("spectrain.eval.")}  # fmt: skip
+    assert {m: d for m, d in wrong.items() if d} == {}
+
+
+def test_models_do_not_import_data_loading():
+    """A draft sees one packed Batch; the loader, sources and store are not its business."""
+    graph = import_graph()
+    wrong = {
+        m: sorted(d for d in deps if d.startswith(("spectrain.data", "hsgen.store")) and d != "spectrain.data.batch")
+        for m, deps in graph.items() if m.startswith("spectrain.models")
+    }  # fmt: skip
+    assert {m: d for m, d in wrong.items() if d} == {}
+
+
+def test_tests_mirror_the_package_folders():
+    tests = Path(__file__).parent
+    for root in ROOTS:
+        folders = {p.parent.name for p in (tests / root.name).glob("*/test_*.py")}
+        jobs = {p.name for p in root.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+        assert folders <= jobs, (
+            f"tests/{root.name}/ has folders that are no job of {root.name}: {folders - jobs}"
+        )

@@ -32,7 +32,7 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   -d "$CARRY/whl" zarr==3.1.6 numcodecs==0.16.6 donfig==0.8.1.post1 google-crc32c==1.9.0 \
   tenacity==9.2.1
 # built in (or taken from) this machine's own cache, then copied: a second prepare costs nothing
-TINY_MODEL=$("${PYTHON:-python3}" -c 'from hsgen.tiny import ensure_tiny_model; print(ensure_tiny_model())')
+TINY_MODEL=$("${PYTHON:-python3}" -c 'from hsgen.hf.tiny import ensure_tiny_model; print(ensure_tiny_model())')
 mkdir -p "$CARRY/hsgen-cache" && cp -r "$TINY_MODEL" "$CARRY/hsgen-cache/"
 du -sh "$CARRY" "$CARRY"/peer-bench/whl "$CARRY"/whl "$CARRY"/hsgen-cache
 ls "$CARRY/whl" "$CARRY/peer-bench/whl"

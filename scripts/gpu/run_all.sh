@@ -134,7 +134,7 @@ gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no gpu"
 print("torch", torch.__version__, "cuda", torch.version.cuda, gpu)
 import zarr, hsgen, spectrain
 print("zarr", zarr.__version__, hsgen.__file__, spectrain.__file__)
-import hsgen.cli, hsgen.client, hsgen.serve, spectrain.cli, spectrain.train
+import hsgen.cli, hsgen.client.fetch, hsgen.serve, spectrain.cli, spectrain.train.loop
 PY
 then
   cat "$WORK/logs/env.txt" >> "$LOG"
@@ -206,7 +206,7 @@ if ! want multi; then
   :
 elif [ -d "$WORK/serve/store" ]; then
   part multi "${MULTI_TIMEOUT:-120}" 10 "$WORK/logs/multi.json" bash scripts/gpu/multi_rank.sh "$WORK/serve/store" \
-    "$("$PY" -c 'from hsgen.tiny import ensure_tiny_model; print(ensure_tiny_model())')" "$WORK/multi" "$DEVICE"
+    "$("$PY" -c 'from hsgen.hf.tiny import ensure_tiny_model; print(ensure_tiny_model())')" "$WORK/multi" "$DEVICE"
   cp "$WORK"/multi/run-*.log "$WORK/logs/" 2>/dev/null
 else
   log "multi skipped: no store from the serve part"

@@ -9,8 +9,8 @@ PY=${PYTHON:-python3}
 PORT=${SMOKE_PORT:-$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}
 LAYERS=1,2,3,4
 mkdir -p "$WORK/shared"
-MODEL=$("$PY" -c 'from hsgen.tiny import ensure_tiny_model; print(ensure_tiny_model())')
-CHATS=$("$PY" -c 'from hsgen.sample_data import sample_chats_path; print(sample_chats_path())')
+MODEL=$("$PY" -c 'from hsgen.hf.tiny import ensure_tiny_model; print(ensure_tiny_model())')
+CHATS=$("$PY" -c 'from hsgen.inputs.sample_data import sample_chats_path; print(sample_chats_path())')
 head -n 8 "$CHATS" > "$WORK/chats.jsonl"
 "$PY" -m hsgen.cli serve --model tiny --layers "$LAYERS" --device "$DEVICE" --shared-storage-path "$WORK/shared" \
   --port "$PORT" > "$WORK/serve.log" 2>&1 &

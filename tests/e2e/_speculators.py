@@ -19,7 +19,7 @@ def prepared_dataset(
     """The columns speculators' prepare-data writes (input_ids, loss_mask, seq_len; torch format)."""
     import datasets
 
-    from hsgen.render import ChatRenderer, RenderConfig
+    from hsgen.inputs.render import ChatRenderer, RenderConfig
 
     renderer = ChatRenderer(RenderConfig(tokenizer_path=str(model_dir), max_len=max_len))
     rows = {"input_ids": [], "loss_mask": [], "seq_len": []}

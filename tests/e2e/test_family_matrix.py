@@ -35,7 +35,7 @@ NAMES = [
     "gemma4_text",
     "gemma4",
 ]
-"""One model per row of ``spectrain.families`` (a wrapper and its text model both), so every family a user can
+"""One model per row of ``spectrain.models.families`` (a wrapper and its text model both), so every family a user can
 train for runs end to end in the default suite; the matrix's two variants (a tied Llama head, Gemma 3 with a
 softcap) change only the heads, which the differential tests cover, and the Gemma 4 wrapper runs a softcap here.
 The Qwen2 and Qwen3.5 models carry a tokenizer whose pre-tokenizer is the one transformers forces on

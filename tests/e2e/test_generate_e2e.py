@@ -12,8 +12,8 @@ import time
 import numpy as np
 import pytest
 
-from hsgen.client import ClientConfig, HiddenStateClient
-from hsgen.render import ChatRenderer, RenderConfig
+from hsgen.client.fetch import ClientConfig, HiddenStateClient
+from hsgen.inputs.render import ChatRenderer, RenderConfig
 from hsgen.serve.testing import running_server
 from hsgen.store import HiddenStateStore
 
@@ -52,7 +52,7 @@ async def test_generate_store_matches_direct_fetch(tmp_path, chats, tiny_model_d
         h = store.header
         assert list(h.layer_ids) == LAYERS and h.hidden_size == 64 and len(h.tokenizer_fingerprint) == 64
         renderer = ChatRenderer(RenderConfig(tokenizer_path=str(tiny_model_dir), max_len=256))
-        from hsgen.inputs import read_inputs
+        from hsgen.inputs.formats import read_inputs
 
         samples = [renderer.render(s) for s in read_inputs([data])]
         cfg = ClientConfig(endpoints=[url], shared_dir=str(shared))

@@ -252,7 +252,7 @@ def test_kill_9_of_a_read_once_run_resumes_exactly_and_leaves_no_server_file(
 
 
 def test_torchrun_ranks_fetch_and_train_only_their_share(tiny_model_dir, sample_chats_path, tmp_path):
-    from spectrain.data import epoch_plan
+    from spectrain.data.sources import epoch_plan
 
     ids = write_prompts(sample_chats_path, tmp_path / "p.jsonl", 30)
     with running_server(tiny_model_dir, LAYERS, tmp_path / "hs") as url:
@@ -293,7 +293,7 @@ def test_torchrun_ranks_fetch_and_train_only_their_share(tiny_model_dir, sample_
 
 
 def test_pipeline_render_into_online_training_via_stdin(tiny_model_dir, sample_chats_path, tmp_path):
-    from spectrain.data import split_of
+    from spectrain.data.sources import split_of
 
     ids = write_prompts(sample_chats_path, tmp_path / "p.jsonl", 30)
     with running_server(tiny_model_dir, LAYERS, tmp_path / "hs") as url:

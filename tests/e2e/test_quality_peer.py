@@ -50,7 +50,7 @@ def test_the_peers_own_dataset_reads_our_samples_bit_for_bit_and_trains_on_ours(
     from speculators.train.data import ArrowDataset
 
     from hsgen.store import HiddenStateStore
-    from spectrain.data import split_of
+    from spectrain.data.sources import split_of
 
     out = tmp_path / "peer-data"
     facts = write_peer_data(store, [1, 3, 4], out, VAL)

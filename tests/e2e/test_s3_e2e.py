@@ -12,7 +12,7 @@ import torch
 
 from hsgen.serve.testing import running_server
 from hsgen.store import HiddenStateStore
-from spectrain.train import TrainConfig, train
+from spectrain.train.loop import TrainConfig, train
 
 LAYERS = [1, 2, 3, 4]
 

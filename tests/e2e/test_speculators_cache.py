@@ -34,7 +34,7 @@ def test_a_cache_speculators_writes_imports_and_trains(tmp_path, tiny_model_dir,
 
     from safetensors.numpy import load_file
 
-    from hsgen.inputs import content_id
+    from hsgen.inputs.formats import content_id
     from hsgen.store import HiddenStateStore
 
     st = HiddenStateStore.open(store)
@@ -55,7 +55,7 @@ def test_a_cache_speculators_writes_imports_and_trains(tmp_path, tiny_model_dir,
     assert r.returncode == 1 and files[3].name in r.stderr
     assert json.loads(r.stdout.splitlines()[-1])["imported"] == 23
 
-    from spectrain.train import TrainConfig, train
+    from spectrain.train.loop import TrainConfig, train
 
     summary = train(TrainConfig(store=str(store), verifier=str(tiny_model_dir), save_path=str(tmp_path / "run"),
                                 draft={"block_size": 4, "max_anchors": 16, "num_layers": 1}, total_seq_len=256,

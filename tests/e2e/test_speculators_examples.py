@@ -188,8 +188,8 @@ def test_launch_vllm_refuses_what_has_no_meaning_here(tiny_model_dir):
 
 
 def test_the_offline_example_end_to_end(tmp_path, verifier, sample_chats_path):
+    from hsgen.cli.speculators_scripts import launch_layer_ids
     from hsgen.serve.testing import running_server
-    from hsgen.speculators_scripts import launch_layer_ids
 
     launch = script_args(OFFLINE, tmp_path, _paths(tmp_path, verifier, sample_chats_path))["launch_vllm"]
     layers = launch_layer_ids(launch[0], None, True)  # the line names no layers: speculators' default

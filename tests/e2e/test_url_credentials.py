@@ -9,8 +9,8 @@ import json
 import pytest
 from test_user_errors import free_port, run
 
-from hsgen import protocol
-from hsgen.client import ClientConfig
+from hsgen.client.config import ClientConfig
+from hsgen.protocol import extraction as protocol
 
 KEY = "sk-URL-SECRET-21"
 

@@ -17,7 +17,7 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 
-from hsgen.saturate import SaturationConfig, Saturator
+from hsgen.client.saturate import SaturationConfig, Saturator
 
 URL = "http://sim"
 

@@ -1,4 +1,4 @@
-"""A joined generator in its own process (tests/hsgen/test_join.py kills it with SIGKILL).
+"""A joined generator in its own process (tests/hsgen/store/test_join.py kills it with SIGKILL).
 
 Usage: python _join_writer.py URL SHARED STORE N_PROMPTS CHUNK
 """
@@ -6,10 +6,10 @@ Usage: python _join_writer.py URL SHARED STORE N_PROMPTS CHUNK
 import asyncio
 import sys
 
-from hsgen.client import ClientConfig
-from hsgen.generate import GenerateConfig, generate
-from hsgen.render import RenderedPrompt
-from hsgen.saturate import SaturationConfig
+from hsgen.client.config import ClientConfig
+from hsgen.client.saturate import SaturationConfig
+from hsgen.generate.pipeline import GenerateConfig, generate
+from hsgen.inputs.render import RenderedPrompt
 from hsgen.store import HiddenStateStore, StoreHeader
 
 

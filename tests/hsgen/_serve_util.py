@@ -12,7 +12,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from hsgen import protocol
+from hsgen.protocol import extraction as protocol
 
 TINY_LAYERS = [0, 1, 2, 4]
 """Embeddings, two inner layers and L=4 (the tiny model has 4 layers)."""
@@ -20,7 +20,7 @@ TINY_LAYERS = [0, 1, 2, 4]
 
 @functools.lru_cache(maxsize=1)
 def tiny_dir() -> Path:
-    from hsgen.tiny import ensure_tiny_model
+    from hsgen.hf.tiny import ensure_tiny_model
 
     return Path(ensure_tiny_model())
 

@@ -22,7 +22,7 @@ import ml_dtypes
 import numpy as np
 from aiohttp import web
 
-from hsgen import protocol
+from hsgen.protocol import extraction as protocol
 
 NP_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 

@@ -15,7 +15,7 @@ def run_rank(rank: int, world: int, port: int, cfg_dict: dict, out_dir: str) -> 
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    from spectrain.train import TrainConfig, Trainer
+    from spectrain.train.loop import TrainConfig, Trainer
 
     trainer = Trainer(TrainConfig.from_dict(cfg_dict))
     plan = trainer.source.plan(0)
@@ -34,7 +34,7 @@ def run_rank(rank: int, world: int, port: int, cfg_dict: dict, out_dir: str) -> 
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(
         {"digest": h.hexdigest(), "plan": plan, "step": summary["step"], "torn_down": not dist.is_initialized()}
     ))  # fmt: skip
-    from spectrain.distributed import exit_process
+    from spectrain.train.distributed import exit_process
 
     exit_process(0)  # as `spectrain train` ends a rank: DDP keeps gloo's threads to the end (docs/train.md)
 
@@ -52,9 +52,9 @@ def metrics_rank(rank: int, world: int, port: int, algorithm: str, empty: str, o
                            timeout=timedelta(seconds=600))  # fmt: skip
     from _tiny_drafts import random_heads, verifier_info
 
-    from spectrain.data import Batch
+    from spectrain.data.batch import Batch
     from spectrain.models import build_draft, get_config_class
-    from spectrain.train import DistInfo, MetricSums
+    from spectrain.train.loop import DistInfo, MetricSums
 
     V, H, S = 64, 16, 48
     info = verifier_info(V, H, attention_heads=2, kv_heads=1, head_dim=8, intermediate=32, max_positions=256)
@@ -86,7 +86,7 @@ def control_rank(rank: int, world: int, port: int, out_dir: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from spectrain import distributed
+    from spectrain.train import distributed
 
     dist.init_process_group("gloo")
     real = dist.get_backend

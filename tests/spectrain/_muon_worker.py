@@ -27,7 +27,7 @@ def _draft():
 def _batch(rank: int, step: int, V: int, H: int):
     import torch
 
-    from spectrain.data import Batch
+    from spectrain.data.batch import Batch
 
     S = 48
     g = torch.Generator().manual_seed(100 * rank + step)
@@ -43,8 +43,8 @@ def muon_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.optim import _muon
 
-    from spectrain.optim import MuonSplit, OptimConfig, build_optimizers
-    from spectrain.step import train_step
+    from spectrain.train.optim import MuonSplit, OptimConfig, build_optimizers
+    from spectrain.train.step import train_step
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,

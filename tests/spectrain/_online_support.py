@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hsgen.client import ClientConfig
-from hsgen.generate import GenerateConfig, generate
-from hsgen.inputs import read_inputs
-from hsgen.render import ChatRenderer, RenderConfig
+from hsgen.client.config import ClientConfig
+from hsgen.generate.pipeline import GenerateConfig, generate
+from hsgen.inputs.formats import read_inputs
+from hsgen.inputs.render import ChatRenderer, RenderConfig
 from hsgen.serve.testing import running_server
 from hsgen.store import HiddenStateStore, StoreHeader
 from spectrain.online import OnlineConfig, OnlineSource, dir_bytes

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spectrain.data import Batch
+from spectrain.data.batch import Batch
 
 
 def import_peer(module: str):
@@ -22,7 +22,7 @@ def import_peer(module: str):
 
 def fp64_heads(verifier_dir):
     """The tiny verifier's frozen heads in float64 (differential tests run both models in fp64)."""
-    from spectrain.verifier import VerifierHeads
+    from spectrain.models.verifier import VerifierHeads
 
     torch.set_num_threads(1)
     return VerifierHeads.load(verifier_dir, dtype=torch.float64)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from spectrain.batch import Batch
+from spectrain.data.batch import Batch
 from spectrain.models import build_draft, get_config_class
-from spectrain.verifier import VerifierHeads, VerifierInfo
+from spectrain.models.verifier import VerifierHeads, VerifierInfo
 
 V, H, S = 256, 32, 128
 OPTIONS = {"dflash": {"num_layers": 2, "block_size": 4, "max_anchors": 16},

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from spectrain.train import TrainConfig
+from spectrain.train.loop import TrainConfig
 
 
 def small_config(store, verifier, save, **kw) -> TrainConfig:

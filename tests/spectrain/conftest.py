@@ -25,8 +25,8 @@ def build_store(path: Path, model_dir: Path, n_samples: int, *, layers=STORE_LAY
     """Render sample chats, run the tiny model, write hidden states of ``layers`` into a store at ``path``."""
     from transformers import AutoModelForCausalLM
 
-    from hsgen.render import ChatRenderer, RenderConfig
-    from hsgen.sample_data import iter_sample_chats
+    from hsgen.inputs.render import ChatRenderer, RenderConfig
+    from hsgen.inputs.sample_data import iter_sample_chats
     from hsgen.store import HiddenStateStore, StoreHeader
 
     torch.set_num_threads(1)

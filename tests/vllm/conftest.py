@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from _tier_util import LAYERS
 
-from hsgen.vllm_server import VllmNotInstalled, free_port, launch_argv, vllm_python, wait_healthy
+from hsgen.vllm.server import VllmNotInstalled, free_port, launch_argv, vllm_python, wait_healthy
 
 STARTUP_TIMEOUT_S = float(os.environ.get("VLLM_STARTUP_TIMEOUT_S", "900"))
 """Bounded wait for ``/health`` (45-105 s on 2 free cores; much longer on a loaded machine)."""
@@ -42,7 +42,7 @@ def vllm_py() -> Path:
 @pytest.fixture(scope="session")
 def vllm_model_dir() -> Path:
     """The tiny verifier vLLM serves here (head_dim 32), built once and cached like hsgen's own."""
-    from hsgen.tiny import VLLM_SPEC, ensure_tiny_model
+    from hsgen.hf.tiny import VLLM_SPEC, ensure_tiny_model
 
     return ensure_tiny_model(spec=VLLM_SPEC)
 

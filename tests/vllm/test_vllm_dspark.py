@@ -23,11 +23,11 @@ import torch
 from _tier_util import env
 from safetensors.torch import save_file
 
-from hsgen.vllm_server import free_port
-from spectrain.eval import load_exported_draft
-from spectrain.export import export_draft
+from hsgen.vllm.server import free_port
+from spectrain.eval.decode import load_exported_draft
+from spectrain.export.write import export_draft
 from spectrain.models import build_draft, get_config_class
-from spectrain.verifier import VerifierHeads
+from spectrain.models.verifier import VerifierHeads
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 

@@ -23,7 +23,7 @@ from _tier_util import (
     write_chats,
 )
 
-from hsgen import protocol
+from hsgen.protocol import extraction as protocol
 from hsgen.serve.testing import running_server
 from hsgen.store import HiddenStateStore
 
@@ -46,9 +46,9 @@ def _http(url: str, path: str, body=None, headers=None):
 
 
 def _prompts(model_dir, n: int) -> list[list[int]]:
-    from hsgen.inputs import read_inputs
-    from hsgen.render import ChatRenderer, RenderConfig
-    from hsgen.sample_data import sample_chats_path
+    from hsgen.inputs.formats import read_inputs
+    from hsgen.inputs.render import ChatRenderer, RenderConfig
+    from hsgen.inputs.sample_data import sample_chats_path
 
     renderer = ChatRenderer(RenderConfig(tokenizer_path=str(model_dir), max_len=512))
     rows = list(read_inputs([sample_chats_path()]))[:n]

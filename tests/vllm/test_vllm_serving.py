@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from _tier_util import env
 
-from spectrain.draft_io import draft_config_from_export, read_export_config
-from spectrain.export import serve_hint, speculative_config_for
+from spectrain.export.read import draft_config_from_export, read_export_config
+from spectrain.export.write import serve_hint, speculative_config_for
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(3600)]  # fixtures start vLLM and train drafts
 

@@ -2,7 +2,7 @@
 
 A URL reaches a log line by many routes (an endpoint template expanded per rank, ranks from the
 launcher's environment, a config file, an exception's message), so besides each call site
-redacting what it prints (:func:`hsgen.protocol.redact_url`), the handler's formatter redacts the
+redacting what it prints (:func:`hsgen.protocol.extraction.redact_url`), the handler's formatter redacts the
 finished line: the ``user:key@`` of any ``scheme://`` URL in it, a traceback's included, becomes
 ``<redacted>@``.
 """

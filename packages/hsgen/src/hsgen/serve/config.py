@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from hsgen import protocol
+from hsgen.protocol import extraction as protocol
 from hsgen.serve.capacity import CapacityModel
 from hsgen.serve.faults import FaultPlan
 
@@ -60,8 +60,8 @@ class ServeConfig:
     """Everything ``hsgen serve`` needs; the CLI options map one to one onto these fields.
 
     Attributes:
-        model: ``"tiny"`` (the built-in model, see ``hsgen.tiny``), a local Hugging Face
-            causal-LM directory, or a model id resolved through the hub cache (:mod:`hsgen.hub`).
+        model: ``"tiny"`` (the built-in model, see ``hsgen.hf.tiny``), a local Hugging Face
+            causal-LM directory, or a model id resolved through the hub cache (:mod:`hsgen.hf.hub`).
         revision: branch, tag or commit of a model id (default ``main``).
         layer_ids: vLLM layer ids to extract (sorted, unique; ``L`` = last layer before the norm).
         shared_storage_path: directory the files are written to (vLLM's ``shared_storage_path``).

@@ -12,8 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-_NAMES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16", "half": "float16",
-          "float32": "float32", "fp32": "float32", "float": "float32"}  # fmt: skip
+from hsgen.protocol.dtypes import ALIASES
 
 
 def checkpoint_dtype(config: dict[str, Any]) -> str:
@@ -21,8 +20,8 @@ def checkpoint_dtype(config: dict[str, Any]) -> str:
     for source in (config, config.get("text_config") or {}):
         for key in ("torch_dtype", "dtype"):
             value = source.get(key)
-            if isinstance(value, str) and value.removeprefix("torch.") in _NAMES:
-                return _NAMES[value.removeprefix("torch.")]
+            if isinstance(value, str) and value.removeprefix("torch.") in ALIASES:
+                return ALIASES[value.removeprefix("torch.")]
     return "float32"
 
 

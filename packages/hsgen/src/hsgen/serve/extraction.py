@@ -10,7 +10,7 @@ from typing import Any
 
 from aiohttp import web
 
-from hsgen.prompt_logprobs import prompt_logprobs_entries
+from hsgen.protocol.prompt_logprobs import prompt_logprobs_entries
 from hsgen.serve.engine import EngineRequest, EngineResult
 from hsgen.serve.parse import bool_field
 from hsgen.serve.state import HTTPError, ServerState

@@ -9,7 +9,7 @@ from typing import Any
 
 from aiohttp import web
 
-from hsgen import protocol
+from hsgen.protocol import extraction as protocol
 from hsgen.serve.capacity import CapacityModel
 from hsgen.serve.extraction import (
     Job,

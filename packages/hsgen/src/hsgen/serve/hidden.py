@@ -19,35 +19,28 @@ from typing import Any
 
 import torch
 
-from hsgen import protocol
+from hsgen.hf.causal_lm import decoder_layers, load_causal_lm
+from hsgen.protocol import extraction as protocol
+from hsgen.protocol.dtypes import ALIASES
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-}
+_DTYPES = {alias: getattr(torch, name) for alias, name in ALIASES.items()}
 
 
 def resolve_model_path(model: str, tiny_cache_dir: str | None = None, revision: str | None = None) -> Path:
     """``"tiny"`` -> the built-in model directory (built once); a Hugging Face model id -> its
-    snapshot in the hub cache (see :mod:`hsgen.hub`); anything else must be a local dir.
+    snapshot in the hub cache (see :mod:`hsgen.hf.hub`); anything else must be a local dir.
 
     Raises:
         FileNotFoundError: when ``model`` is not a directory with a ``config.json`` nor a
             resolvable model id.
     """
     if model == "tiny":
-        from hsgen.tiny import ensure_tiny_model
+        from hsgen.hf.tiny import ensure_tiny_model
 
         return Path(ensure_tiny_model(tiny_cache_dir))
-    from hsgen import hub
+    from hsgen.hf import hub
 
     if hub.looks_like_hub_id(model):
         try:
@@ -127,31 +120,6 @@ def load_model(
         eos_token_ids=frozenset(eos),
         vocab_size=int(cfg.vocab_size),
     )
-
-
-def load_causal_lm(path: Path, dtype: torch.dtype) -> Any:
-    """The checkpoint's own class: its causal LM, or a multimodal wrapper
-    (``*ForConditionalGeneration``: Gemma 3 / 4, Qwen3-VL, Qwen3.5) with all its weights, run
-    on text. Loaded ``local_files_only``; not moved, not in eval mode."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
-
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
-    archs = getattr(config, "architectures", None) or []
-    auto = AutoModelForCausalLM
-    if any(a.endswith("ForConditionalGeneration") for a in archs) and type(config) in (
-        AutoModelForImageTextToText._model_mapping
-    ):
-        auto = AutoModelForImageTextToText
-    return auto.from_pretrained(path, dtype=dtype, local_files_only=True)
-
-
-def decoder_layers(model: Any) -> Sequence[torch.nn.Module]:
-    """The decoder layer list of a HF causal LM (``model.model.layers`` for Llama/Qwen)."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    layers = getattr(decoder, "layers", None)
-    if layers is None:
-        raise TypeError(f"{type(model).__name__}: cannot find the decoder layers (model.model.layers)")
-    return layers
 
 
 @dataclass

@@ -11,7 +11,7 @@ from typing import Any
 
 from aiohttp import web
 
-from hsgen import protocol
+from hsgen.protocol import extraction as protocol
 from hsgen.serve.state import HTTPError, ServerState
 
 log = logging.getLogger(__name__)

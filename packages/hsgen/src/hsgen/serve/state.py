@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from hsgen import protocol
+from hsgen.protocol import extraction as protocol
 from hsgen.serve.config import ServeConfig
 from hsgen.serve.engine import Engine
 from hsgen.serve.faults import FaultPlan

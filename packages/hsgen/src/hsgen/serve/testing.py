@@ -25,7 +25,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from hsgen import protocol
+from hsgen.protocol import extraction as protocol
 from hsgen.serve.capacity import CapacityModel
 from hsgen.serve.faults import FaultPlan
 
@@ -166,8 +166,8 @@ def _loaded_model(config) -> Any:
 
 @contextlib.contextmanager
 def _thread_server(opts: dict[str, Any], startup_timeout: float) -> Iterator[str]:
+    from hsgen.cli.serve import config_from_options
     from hsgen.serve.app import build_state
-    from hsgen.serve.cli import config_from_options
     from hsgen.serve.runner import ServerRunner
 
     config = config_from_options(dict(opts))
@@ -204,7 +204,7 @@ def _thread_server(opts: dict[str, Any], startup_timeout: float) -> Iterator[str
 
 @contextlib.contextmanager
 def _process_server(opts: dict[str, Any], startup_timeout: float) -> Iterator[str]:
-    from hsgen.serve.cli import READY_PREFIX
+    from hsgen.cli.serve import READY_PREFIX
 
     args = [sys.executable, "-m", "hsgen.cli", "serve"]
     for key, value in opts.items():

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hsgen import protocol
+from hsgen.protocol import extraction as protocol
 
 log = logging.getLogger(__name__)
 

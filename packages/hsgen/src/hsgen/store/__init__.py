@@ -4,12 +4,12 @@ Open with :meth:`HiddenStateStore.create` / :meth:`HiddenStateStore.open`; add s
 :class:`ShardWriter`; read :class:`Sample` objects by id. Byte layout: ``docs/format.md``.
 """
 
-from .errors import CorruptSample, StoreError, StoreHeaderMismatch
-from .header import CODECS, FORMAT_VERSION, LOGICAL_DTYPES, STORAGE_DTYPES, StoreHeader
-from .integrity import check_sample, sample_matches
-from .records import Sample, SampleRecord
-from .store import HiddenStateStore
-from .writer import ShardWriter
+from hsgen.store.errors import CorruptSample, StoreError, StoreHeaderMismatch
+from hsgen.store.header import CODECS, FORMAT_VERSION, LOGICAL_DTYPES, STORAGE_DTYPES, StoreHeader
+from hsgen.store.integrity import check_sample, sample_matches
+from hsgen.store.records import Sample, SampleRecord
+from hsgen.store.store import HiddenStateStore
+from hsgen.store.writer import ShardWriter
 
 __all__ = [
     "CODECS",

@@ -6,7 +6,7 @@ a store at ``s3://bucket/prefix`` goes through :class:`ObjectBackend`, which is 
 the standard ``AWS_*`` variables: ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
 ``AWS_SESSION_TOKEN``, ``AWS_REGION`` / ``AWS_DEFAULT_REGION``, ``AWS_ENDPOINT_URL``).
 :class:`LocalBackend` offers the same interface on a directory, so the object-store code and the
-conformance suite (``tests/hsgen/test_backend.py``) run on both.
+conformance suite (``tests/hsgen/store/test_backend.py``) run on both.
 
 Every ``put`` is atomic: a reader sees the whole object or none (a temp file renamed into place
 on disk, one PUT on an object store). Nothing here renames or appends on an object store; the
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from .errors import StoreError
+from hsgen.store.errors import StoreError
 
 REMOTE_SCHEMES = ("s3://",)
 
@@ -91,7 +91,7 @@ class LocalBackend:
         return self._path(key).read_bytes()
 
     def read_into(self, key: str, view: memoryview, offset: int) -> None:
-        from .fsutil import read_exact_into
+        from hsgen.store.fsutil import read_exact_into
 
         fd = os.open(self._path(key), os.O_RDONLY)
         try:
@@ -106,7 +106,7 @@ class LocalBackend:
         return self._path(key).stat().st_mtime
 
     def put(self, key: str, data: bytes | Sequence[bytes | memoryview]) -> None:
-        from .fsutil import fsync_dir, write_file
+        from hsgen.store.fsutil import fsync_dir, write_file
 
         path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)

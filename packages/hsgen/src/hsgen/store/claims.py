@@ -20,9 +20,9 @@ import secrets
 import time
 from pathlib import Path
 
-from .errors import StoreError
-from .fsutil import is_locked, try_lock
-from .leases import CLAIMS_DIR, LEASE_DIR, Lease
+from hsgen.store.errors import StoreError
+from hsgen.store.fsutil import is_locked, try_lock
+from hsgen.store.leases import CLAIMS_DIR, LEASE_DIR, Lease
 
 log = logging.getLogger(__name__)
 

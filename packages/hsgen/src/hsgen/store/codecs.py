@@ -16,7 +16,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from .header import LOGICAL_DTYPES, STORAGE_DTYPES
+from hsgen.store.header import LOGICAL_DTYPES, STORAGE_DTYPES
 
 FP8_MAX = 448.0
 """Largest finite float8_e4m3fn value; the fp8 codec scales each token-layer vector to it."""
@@ -119,7 +119,7 @@ def _fp8_table() -> np.ndarray:
     strictly between two neighbouring bfloat16 values with no boundary between them, and rounds as
     ``t << 16 | 1`` does. The table is therefore ml_dtypes' cast itself, bit for bit, for every
     non-NaN float32: checked once over all 2**32 patterns, and per top half with low halves 0, 1,
-    0x7FFF, 0x8000, 0x8001, 0xFFFF in ``tests/hsgen/test_store_codecs_fp8.py``.
+    0x7FFF, 0x8000, 0x8001, 0xFFFF in ``tests/hsgen/store/test_store_codecs_fp8.py``.
     """
     top = np.arange(1 << 16, dtype=np.uint32) << 16
     pairs = np.stack([top, top | 1], axis=1).reshape(-1)

@@ -7,6 +7,10 @@ class StoreError(Exception):
     """A store that cannot be opened, read or written as asked; the message names the path."""
 
 
+class NotAStore(StoreError):
+    """Nothing at the path is a store: no header there (a directory or prefix may still exist)."""
+
+
 class SampleRejected(ValueError):
     """A sample whose rows failed a check as they were written (values not finite, a source file
     cut short): nothing of it is in the shard, which goes on taking samples.

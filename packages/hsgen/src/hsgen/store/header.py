@@ -8,6 +8,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from hsgen.protocol.dtypes import STORAGE
+
 FORMAT_VERSION = 3
 """The newest store format this code reads. 1: sample checksums ``bsum64``; 2: ``xxh3`` (older
 hsgen refuse to open a version 2 store); 3: the verifier's targets may be stored as token ids
@@ -22,11 +24,7 @@ LOGICAL_DTYPES: dict[str, np.dtype] = {
 }
 """Logical dtype name -> the numpy dtype with that meaning."""
 
-STORAGE_DTYPES: dict[str, np.dtype] = {
-    "bfloat16": np.dtype(np.uint16),
-    "float16": np.dtype(np.float16),
-    "float32": np.dtype(np.float32),
-}
+STORAGE_DTYPES: dict[str, np.dtype] = STORAGE
 """Logical dtype name -> the dtype hidden states have in zarr and in :class:`Sample` (bf16 as uint16)."""
 
 CODECS = ("raw", "lz4", "fp8")

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from .store import HiddenStateStore
+from hsgen.store.store import HiddenStateStore
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ def load_tokenizer(store: HiddenStateStore, tokenizer: str | None, revision: str
     The note says where the tokenizer came from, or why there is none, and warns when its
     fingerprint differs from the one recorded in the store header.
     """
-    from hsgen.hub import HubError, resolve
+    from hsgen.hf.hub import HubError, resolve
 
     source = tokenizer or store.header.verifier
     try:
@@ -158,7 +158,7 @@ def load_tokenizer(store: HiddenStateStore, tokenizer: str | None, revision: str
     try:
         from tokenizers import Tokenizer
 
-        from hsgen.render import ChatRenderer, RenderConfig
+        from hsgen.inputs.render import ChatRenderer, RenderConfig
 
         tok = Tokenizer.from_file(str(path / "tokenizer.json"))
         fingerprint = ChatRenderer(RenderConfig(tokenizer_path=str(path))).fingerprint

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import codecs as C
-from .errors import CorruptSample
-from .records import SampleRecord
+from hsgen.store import codecs as C
+from hsgen.store.errors import CorruptSample
+from hsgen.store.records import SampleRecord
 
 
 def sample_matches(

@@ -32,8 +32,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import StoreError
-from .fsutil import is_locked, try_lock
+from hsgen.store.errors import StoreError
+from hsgen.store.fsutil import is_locked, try_lock
 
 log = logging.getLogger(__name__)
 
@@ -247,7 +247,7 @@ def sweep_dead_leases(
     Returns:
         ``orphans_removed`` (files and locks) and ``leases_removed``.
     """
-    from hsgen.shared_dir import SharedDir, count_owned
+    from hsgen.client.shared_dir import SharedDir, count_owned
 
     out = {"orphans_removed": 0, "leases_removed": 0}
     dead = [lease for lease in read_leases(store_path) if not lease.live]

@@ -17,29 +17,29 @@ import os
 import time
 from typing import TYPE_CHECKING
 
-from .errors import StoreError
-from .fsutil import fsync_dir, is_locked, tree_bytes, try_lock, write_all
-from .manifest import MANIFEST_SUFFIX, ShardInfo, encode, parse_lines
-from .shard import ShardReader
-from .writer import SHARD_NAME, default_writer_id, remove_tree
+from hsgen.store.errors import StoreError
+from hsgen.store.fsutil import fsync_dir, is_locked, tree_bytes, try_lock, write_all
+from hsgen.store.manifest import MANIFEST_SUFFIX, ShardInfo, encode, parse_lines
+from hsgen.store.shard import ShardReader
+from hsgen.store.writer import SHARD_NAME, default_writer_id, remove_tree
 
 if TYPE_CHECKING:
-    from .store import HiddenStateStore
+    from hsgen.store.view import StoreView
 
 log = logging.getLogger(__name__)
 
 
-def _alive(store: HiddenStateStore, writer: str) -> bool:
+def _alive(store: StoreView, writer: str) -> bool:
     return is_locked(store.path / "manifests" / f"{writer}{MANIFEST_SUFFIX}")
 
 
-def remove_leftovers(store: HiddenStateStore, *, dry_run: bool, min_age_s: float, header_file: str) -> dict:
+def remove_leftovers(store: StoreView, *, dry_run: bool, min_age_s: float, header_file: str) -> dict:
     """Remove temp files, uncommitted shards of dead writers and tombstoned shards.
 
     An uncommitted shard of a writer whose manifest is damaged is kept (its commit line may be
     the damaged one): ``repair_manifests`` decides about it.
     """
-    replay = store._replay
+    replay = store.replay
     out = {"removed_temp": 0, "removed_deleted": 0, "removed_uncommitted": 0, "bytes_freed": 0}
     live_writers = 0
     kept_damaged = 0
@@ -82,7 +82,7 @@ def remove_leftovers(store: HiddenStateStore, *, dry_run: bool, min_age_s: float
     return out
 
 
-def dedupe(store: HiddenStateStore, *, dry_run: bool, shard_bytes: int = 32 << 20) -> dict:
+def dedupe(store: StoreView, *, dry_run: bool, shard_bytes: int = 32 << 20) -> dict:
     """Drop the later copies of sample ids stored more than once (the first copy is the live one).
 
     Returns:
@@ -92,11 +92,10 @@ def dedupe(store: HiddenStateStore, *, dry_run: bool, shard_bytes: int = 32 << 2
     """
     store.refresh()
     out = {"duplicates_removed": 0, "duplicate_bytes": 0, "duplicates_kept": 0}
-    index = store._index
     rewrite: list[tuple[ShardInfo, list[str]]] = []
     drop: list[ShardInfo] = []
-    for info in store._live():
-        owned = [row[0] for i, row in enumerate(info.rows) if _owns(index.get(row[0]), info, i)]
+    for info in store.live_shards():
+        owned = [row[0] for i, row in enumerate(info.rows) if _owns(store.placement(row[0]), info, i)]
         copies = len(info.rows) - len(owned)
         if not copies:
             continue
@@ -104,7 +103,9 @@ def dedupe(store: HiddenStateStore, *, dry_run: bool, shard_bytes: int = 32 << 2
             out["duplicates_kept"] += copies
             continue
         out["duplicates_removed"] += copies
-        dup_tokens = sum(row[2] for i, row in enumerate(info.rows) if not _owns(index.get(row[0]), info, i))
+        dup_tokens = sum(
+            row[2] for i, row in enumerate(info.rows) if not _owns(store.placement(row[0]), info, i)
+        )
         out["duplicate_bytes"] += info.nbytes * dup_tokens // max(1, info.tokens)
         if owned:
             rewrite.append((info, owned))
@@ -130,7 +131,7 @@ def _owns(entry, info: ShardInfo, i: int) -> bool:
     return entry is not None and entry[0] is info and entry[1] == i
 
 
-def repair_manifests(store: HiddenStateStore, *, dry_run: bool) -> dict:
+def repair_manifests(store: StoreView, *, dry_run: bool) -> dict:
     """Rebuild each dead writer's damaged manifest from its shards' own sample tables.
 
     For every shard the file mentions (in any intact line), the rows are read from the shard's
@@ -145,7 +146,7 @@ def repair_manifests(store: HiddenStateStore, *, dry_run: bool) -> dict:
     """
     store.refresh()
     out = {"repaired_manifests": 0, "recovered_samples": 0, "dropped_samples": 0, "skipped_live": 0}
-    for name in sorted(store._replay.damaged):
+    for name in sorted(store.replay.damaged):
         path = store.path / "manifests" / name
         fd = os.open(path, os.O_RDWR)
         try:
@@ -154,7 +155,7 @@ def repair_manifests(store: HiddenStateStore, *, dry_run: bool) -> dict:
                 log.warning("gc --repair: %s belongs to a live writer; run again once it has stopped", path)
                 continue
             lines, found = _rebuild(store, name, fd)
-            before = sum(len(s.rows) for s in store._replay.shards.values() if s.key[0] == name)
+            before = sum(len(s.rows) for s in store.replay.shards.values() if s.key[0] == name)
             out["recovered_samples"] += max(0, found["rows"] - before)
             out["dropped_samples"] += found["dropped"]
             out["repaired_manifests"] += 1
@@ -174,11 +175,11 @@ def repair_manifests(store: HiddenStateStore, *, dry_run: bool) -> dict:
         finally:
             os.close(fd)
     if out["repaired_manifests"] and not dry_run:
-        store._reload()
+        store.reload()
     return out
 
 
-def _rebuild(store: HiddenStateStore, name: str, fd: int) -> tuple[list[dict], dict]:
+def _rebuild(store: StoreView, name: str, fd: int) -> tuple[list[dict], dict]:
     """The records of a repaired manifest ``name`` (read through ``fd``) and what was found."""
     size = os.fstat(fd).st_size
     data = os.pread(fd, size, 0)
@@ -223,9 +224,9 @@ def _rebuild(store: HiddenStateStore, name: str, fd: int) -> tuple[list[dict], d
     return lines + deletes, found
 
 
-def _intact_rows(store: HiddenStateStore, shard: str):
+def _intact_rows(store: StoreView, shard: str):
     """``((intact rows, dropped count), tokens, codec)`` of a shard from its own table, or ``(None, ...)``."""
-    from . import codecs as C
+    from hsgen.store import codecs as C
 
     try:
         reader = ShardReader(store.path / shard, store.header)

@@ -20,8 +20,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import StoreError
-from .fsutil import FAILPOINT_ENV, failpoint, fsync_dir, try_lock, write_all
+from hsgen.store.errors import StoreError
+from hsgen.store.fsutil import FAILPOINT_ENV, failpoint, fsync_dir, try_lock, write_all
 
 log = logging.getLogger(__name__)
 

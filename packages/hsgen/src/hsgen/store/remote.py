@@ -27,14 +27,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .backend import Backend
-from .fsutil import failpoint
-from .manifest import MANIFEST_SUFFIX, ManifestReplay, ReplayDelta, _FileState, encode
-from .shard_builder import ShardBuilder, WrittenShard
-from .writer import SEQ_PREFIX, ShardWriter
+from hsgen.store.backend import Backend
+from hsgen.store.fsutil import failpoint
+from hsgen.store.manifest import MANIFEST_SUFFIX, ManifestReplay, ReplayDelta, _FileState, encode
+from hsgen.store.shard_builder import ShardBuilder, WrittenShard
+from hsgen.store.writer import SEQ_PREFIX, ShardWriter
 
 if TYPE_CHECKING:
-    from .store import HiddenStateStore
+    from hsgen.store.view import StoreView
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ class RemoteShardWriter(ShardWriter):
     direct_rows = False  # the staged shard is read back at once for its upload: keep it in the page cache
 
     def _open(self) -> int:
-        self._backend: Backend = self.store._backend
+        self._backend: Backend = self.store.backend
         self._stage = Path(tempfile.mkdtemp(prefix=f"hsgen-stage-{self.writer_id}-"))
         self._dir = self._stage
         self._uploads = ThreadPoolExecutor(UPLOAD_THREADS, thread_name_prefix=f"hsgen-put-{self.writer_id}")
@@ -194,11 +194,11 @@ def delete_objects(backend: Backend, shard: str) -> int:
     return freed
 
 
-def remote_gc(store: HiddenStateStore, *, dry_run: bool, min_age_s: float) -> dict:
+def remote_gc(store: StoreView, *, dry_run: bool, min_age_s: float) -> dict:
     """Remove tombstoned shards' objects, and shards no segment names once ``min_age_s`` old."""
-    backend: Backend = store._backend
+    backend: Backend = store.backend
     store.refresh()
-    replay = store._replay
+    replay = store.replay
     out = {"removed_temp": 0, "removed_deleted": 0, "removed_uncommitted": 0, "bytes_freed": 0}
     out["live_writers"] = 0
     shards: dict[str, list[str]] = {}
@@ -222,10 +222,10 @@ def remote_gc(store: HiddenStateStore, *, dry_run: bool, min_age_s: float) -> di
     return out
 
 
-def _older_than(store: HiddenStateStore, shard: str, keys: list[str], cutoff: float) -> bool:
+def _older_than(store: StoreView, shard: str, keys: list[str], cutoff: float) -> bool:
     """Whether every object of ``shard`` was last written before ``cutoff`` (else it may be uploading)."""
     try:
-        return max(store._backend.mtime(k) for k in keys) < cutoff
+        return max(store.backend.mtime(k) for k in keys) < cutoff
     except FileNotFoundError:
         return False
 

@@ -9,10 +9,10 @@ from pathlib import Path
 import google_crc32c
 import numpy as np
 
-from . import codecs as C
-from .errors import StoreError
-from .fsutil import read_exact_into
-from .header import STORAGE_DTYPES, StoreHeader
+from hsgen.store import codecs as C
+from hsgen.store.errors import StoreError
+from hsgen.store.fsutil import read_exact_into
+from hsgen.store.header import STORAGE_DTYPES, StoreHeader
 
 SHARD_ATTR = "hsgen"
 """Key of the shard group's attributes that describe the shard (see ``docs/format.md``)."""

@@ -2,7 +2,7 @@
 sample is added, and the shard is sealed complete (index, metadata, fsync, rename) when full.
 
 A sample's hidden states are written once, from where they are: an array, or the rows still in
-the server's file (:class:`hsgen.hidden_file.FileRows`), read a piece at a time straight into a
+the server's file (:class:`hsgen.client.hidden_file.FileRows`), read a piece at a time straight into a
 staging buffer that is reused for every sample. Each piece is checked (finite values, when asked)
 and fed to the sample's checksum while it is in cache: the bytes checked are the bytes stored.
 Full blocks of the staging buffer are written with ``O_DIRECT`` where the file system takes it
@@ -32,13 +32,20 @@ from typing import Any
 import google_crc32c
 import numpy as np
 
-from hsgen.phases import PhaseTimes, timer
-
-from . import codecs as C
-from .errors import SampleRejected
-from .fsutil import failpoint, fsync_dir, fsync_tree, pwrite_all, read_exact_into, tree_bytes, write_file
-from .header import StoreHeader
-from .shard import SHARD_ATTR, TARGET_IDS
+from hsgen.client.phases import PhaseTimes, timer
+from hsgen.store import codecs as C
+from hsgen.store.errors import SampleRejected
+from hsgen.store.fsutil import (
+    failpoint,
+    fsync_dir,
+    fsync_tree,
+    pwrite_all,
+    read_exact_into,
+    tree_bytes,
+    write_file,
+)
+from hsgen.store.header import StoreHeader
+from hsgen.store.shard import SHARD_ATTR, TARGET_IDS
 
 PIECE_BYTES = 1 << 20
 """Bytes read, checked and checksummed at a time (they stay in a core's cache in between)."""
@@ -242,7 +249,7 @@ class ShardBuilder:
     def add(self, sample_id: str, hidden: Any, token_ids: np.ndarray, loss_mask: np.ndarray,
             target_ids: np.ndarray | None = None, *, check_finite: bool = False) -> None:  # fmt: skip
         """Append one sample (arrays already checked against the header; ``hidden`` an array in
-        the storage dtype or :class:`~hsgen.hidden_file.FileRows`).
+        the storage dtype or :class:`~hsgen.client.hidden_file.FileRows`).
 
         Raises:
             SampleRejected: ``check_finite`` and a value is not finite, or the rows' file is
@@ -291,7 +298,7 @@ class ShardBuilder:
                 ) from None
 
     def _check_finite(self, rows: np.ndarray, sample_id: str) -> None:
-        from hsgen.hidden_file import all_finite
+        from hsgen.client.hidden_file import all_finite
 
         with timer(self.phases, "check_finite"):
             if not all_finite(rows, self.header.dtype):
@@ -300,7 +307,7 @@ class ShardBuilder:
     def _write_rows(self, stream: C.ChecksumStream, rows: Any, sample_id: str, check_finite: bool) -> None:
         """Read the stored rows piece by piece into the staging buffer, check and checksum each
         piece there, and write the buffer out as it fills; a rejected sample leaves nothing."""
-        from hsgen.hidden_file import all_finite
+        from hsgen.client.hidden_file import all_finite
 
         out = self._rows
         assert out is not None

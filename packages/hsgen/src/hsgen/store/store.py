@@ -12,14 +12,14 @@ from pathlib import Path
 
 import numpy as np
 
-from .backend import Backend, ObjectBackend, is_remote
-from .errors import CorruptSample, StoreError, StoreHeaderMismatch
-from .fsutil import atomic_write_exclusive, failpoint, fsync_dir
-from .header import FORMAT_VERSION, StoreHeader
-from .integrity import check_sample
-from .manifest import MANIFEST_SUFFIX, ManifestAppender, ManifestReplay, ReplayDelta, ShardInfo
-from .records import Sample, SampleRecord
-from .remote import (
+from hsgen.store.backend import Backend, ObjectBackend, is_remote
+from hsgen.store.errors import CorruptSample, NotAStore, StoreError, StoreHeaderMismatch
+from hsgen.store.fsutil import atomic_write_exclusive, failpoint, fsync_dir
+from hsgen.store.header import FORMAT_VERSION, StoreHeader
+from hsgen.store.integrity import check_sample
+from hsgen.store.manifest import MANIFEST_SUFFIX, ManifestAppender, ManifestReplay, ReplayDelta, ShardInfo
+from hsgen.store.records import Sample, SampleRecord
+from hsgen.store.remote import (
     ObjectShardFiles,
     RemoteShardWriter,
     SegmentReplay,
@@ -29,8 +29,8 @@ from .remote import (
     put_segment,
     remote_gc,
 )
-from .shard import ShardReader
-from .writer import ShardWriter, default_writer_id, remove_tree
+from hsgen.store.shard import ShardReader
+from hsgen.store.writer import ShardWriter, default_writer_id, remove_tree
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ class HiddenStateStore:
         try:
             doc = json.loads(header_file.read_bytes() if backend is None else backend.get(HEADER_FILE))
         except FileNotFoundError as e:
-            raise StoreError(f"{path}: not an hsgen store (no {HEADER_FILE})") from e
+            raise NotAStore(f"{path}: not an hsgen store (no {HEADER_FILE})") from e
         except (ValueError, OSError) as e:
             raise StoreError(f"{header_file}: unreadable store header ({e})") from e
         if not isinstance(doc, dict) or doc.get("format") != STORE_FORMAT:
@@ -183,7 +183,24 @@ class HiddenStateStore:
             return SegmentReplay(self._backend)
         return ManifestReplay(self.path / "manifests")
 
-    def _shard_reader(self, shard: str) -> ShardReader:
+    # ------------------------------------------------------------------ the helpers' interface
+    # What store/maintenance, verify, remote and writer use (StoreView in hsgen.store.view).
+
+    @property
+    def replay(self) -> ManifestReplay:
+        """The manifests as replayed so far: shards committed, deleted, damaged, and problems."""
+        return self._replay
+
+    @property
+    def backend(self) -> Backend | None:
+        """The object store holding this store's bytes; ``None`` for a directory."""
+        return self._backend
+
+    def placement(self, sample_id: str) -> tuple[ShardInfo, int] | None:
+        """The live copy of ``sample_id``: its shard and row; ``None`` when it is not stored."""
+        return self._index.get(sample_id)
+
+    def shard_reader(self, shard: str) -> ShardReader:
         """A reader of committed shard ``shard`` (its objects, on an object store)."""
         files = ObjectShardFiles(self._backend, shard) if self._backend is not None else None
         return ShardReader(self.path / shard, self.header, files)
@@ -213,13 +230,14 @@ class HiddenStateStore:
                     if info.key < current[0].key:
                         index[row[0]] = (info, i)
 
-    def _live(self) -> list[ShardInfo]:
+    def live_shards(self) -> list[ShardInfo]:
+        """The committed shards not deleted, in commit order."""
         shards = [s for n, s in self._replay.shards.items() if n not in self._replay.deleted]
         return sorted(shards, key=lambda s: s.key)
 
     def _rebuild(self) -> None:
         self._index, self._duplicates, self._order = {}, 0, None
-        for info in self._live():
+        for info in self.live_shards():
             for i, row in enumerate(info.rows):
                 if row[0] in self._index:
                     self._duplicates += 1
@@ -238,7 +256,7 @@ class HiddenStateStore:
             if self._order is None:
                 self._order = [
                     row[0]
-                    for info in self._live()
+                    for info in self.live_shards()
                     for i, row in enumerate(info.rows)
                     if self._index[row[0]] == (info, i)
                 ]
@@ -259,7 +277,7 @@ class HiddenStateStore:
     def shards(self) -> dict[str, list[str]]:
         """Live shard -> ids of the samples it holds."""
         with self._lock:
-            return {info.name: [r[0] for r in info.rows] for info in self._live()}
+            return {info.name: [r[0] for r in info.rows] for info in self.live_shards()}
 
     # ------------------------------------------------------------------ reading
 
@@ -267,7 +285,7 @@ class HiddenStateStore:
         with self._lock:
             entry = self._readers.get(shard)
             if entry is None:
-                entry = _Reader(self._shard_reader(shard))
+                entry = _Reader(self.shard_reader(shard))
                 self._readers[shard] = entry
                 while len(self._readers) > _MAX_OPEN_SHARDS:
                     _, old = self._readers.popitem(last=False)
@@ -449,7 +467,7 @@ class HiddenStateStore:
     def stats(self) -> dict:
         """Summary from the manifests alone: samples, tokens, bytes, bytes_per_token, shards, writers..."""
         with self._lock:
-            live = self._live()
+            live = self.live_shards()
             tokens = sum(info.rows[i][2] for info, i in self._index.values())
             stored_tokens = sum(s.tokens for s in live)
             nbytes = sum(s.nbytes for s in live)
@@ -475,11 +493,11 @@ class HiddenStateStore:
         """Live shards' samples that damaged manifest lines hide from readers (``hsgen verify``
         names them, ``hsgen gc --repair`` recovers them); 0 in a healthy store."""
         with self._lock:
-            return sum(s.hidden for s in self._live())
+            return sum(s.hidden for s in self.live_shards())
 
     def verify(self, *, progress: bool = False) -> list[str]:
         """Check every live sample's checksum and every shard's shapes; returns problems, [] if healthy."""
-        from .verify import verify_store
+        from hsgen.store.verify import verify_store
 
         return verify_store(self, progress=progress)
 
@@ -506,7 +524,7 @@ class HiddenStateStore:
             ``live_writers``, ``kept_damaged``, ``duplicates_removed``, ``duplicates_kept``,
             the ``repair`` counts when asked, and ``dry_run``.
         """
-        from . import maintenance
+        from hsgen.store import maintenance
 
         if self._backend is not None:
             return {**remote_gc(self, dry_run=dry_run, min_age_s=min_age_s), "dry_run": dry_run}
@@ -526,7 +544,7 @@ class HiddenStateStore:
         out["dry_run"] = dry_run
         return out
 
-    def _reload(self) -> None:
+    def reload(self) -> None:
         """Forget what was replayed and read every manifest again (after one was rewritten)."""
         with self._lock:
             self._replay = self._new_replay()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .header import LOGICAL_DTYPES, StoreHeader
-from .records import Sample
+from hsgen.store.header import LOGICAL_DTYPES, StoreHeader
+from hsgen.store.records import Sample
 
 
 def make_sample(

@@ -13,15 +13,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from hsgen.progress import progress_bar
-
-from . import codecs as C
-from .errors import StoreError
-from .header import StoreHeader
-from .shard import TARGET_IDS, ShardReader
+from hsgen.store import codecs as C
+from hsgen.store.errors import StoreError
+from hsgen.store.header import StoreHeader
+from hsgen.store.shard import TARGET_IDS, ShardReader
 
 if TYPE_CHECKING:
-    from .manifest import ShardInfo
-    from .store import HiddenStateStore
+    from hsgen.store.manifest import ShardInfo
+    from hsgen.store.view import StoreView
 
 
 @dataclass
@@ -44,24 +43,24 @@ class VerifyReport:
         self._seen: set[str] = set()
 
 
-def verify_store(store: HiddenStateStore, *, progress: bool = False) -> list[str]:
+def verify_store(store: StoreView, *, progress: bool = False) -> list[str]:
     """Problems found in ``store`` (one line each, naming the shard and sample); [] when healthy."""
     return verify_report(store, progress=progress).problems
 
 
-def verify_report(store: HiddenStateStore, *, progress: bool = False) -> VerifyReport:
+def verify_report(store: StoreView, *, progress: bool = False) -> VerifyReport:
     """Check ``store`` whole; the report names every sample a problem affects."""
     store.refresh()
     report = VerifyReport()
-    for p in store._replay.problems:
+    for p in store.replay.problems:
         report.add(p)
-    live = store._live()
+    live = store.live_shards()
     bar = progress_bar(
         total=sum(s.tokens for s in live), unit="tok", unit_scale=True, disable=not progress, desc="verify"
     )
     for info in live:
         try:
-            reader = store._shard_reader(info.name)
+            reader = store.shard_reader(info.name)
         except StoreError as e:
             _shard_lost(report, store, info, str(e))
             bar.update(info.tokens)
@@ -74,7 +73,7 @@ def verify_report(store: HiddenStateStore, *, progress: bool = False) -> VerifyR
     return report
 
 
-def _shard_lost(report: VerifyReport, store: HiddenStateStore, info: ShardInfo, cause: str) -> None:
+def _shard_lost(report: VerifyReport, store: StoreView, info: ShardInfo, cause: str) -> None:
     """``cause`` keeps the whole shard from being read: one line for it, one per sample it costs."""
     report.add(cause)
     where = store.path / info.name
@@ -82,9 +81,7 @@ def _shard_lost(report: VerifyReport, store: HiddenStateStore, info: ShardInfo, 
         report.add(f"{where}: sample {sid!r}: unreadable, its shard is damaged (above)", sid)
 
 
-def _verify_shard(
-    report: VerifyReport, store: HiddenStateStore, info: ShardInfo, reader: ShardReader, bar
-) -> None:
+def _verify_shard(report: VerifyReport, store: StoreView, info: ShardInfo, reader: ShardReader, bar) -> None:
     where = store.path / info.name
     header = store.header
     problems = []

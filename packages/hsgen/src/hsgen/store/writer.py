@@ -14,17 +14,16 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from hsgen.phases import PhaseTimes, timer
-
-from .errors import SampleRejected, StoreError
-from .fsutil import fsync_dir
-from .header import LOGICAL_DTYPES
-from .manifest import MANIFEST_SUFFIX, ManifestAppender
-from .records import SampleRecord
-from .shard_builder import ShardBuilder, WrittenShard, staging_buffers
+from hsgen.client.phases import PhaseTimes, timer
+from hsgen.store.errors import SampleRejected, StoreError
+from hsgen.store.fsutil import fsync_dir
+from hsgen.store.header import LOGICAL_DTYPES
+from hsgen.store.manifest import MANIFEST_SUFFIX, ManifestAppender
+from hsgen.store.records import SampleRecord
+from hsgen.store.shard_builder import ShardBuilder, WrittenShard, staging_buffers
 
 if TYPE_CHECKING:
-    from .store import HiddenStateStore
+    from hsgen.store.view import StoreView
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +92,7 @@ class ShardWriter:
 
     def __init__(
         self,
-        store: HiddenStateStore,
+        store: StoreView,
         writer_id: str | None = None,
         *,
         shard_bytes: int = 32 << 20,
@@ -180,7 +179,7 @@ class ShardWriter:
     def _recover(self) -> int:
         """Remove this writer's leftovers of a crash; return the next shard sequence number."""
         self.store.refresh()
-        committed = {n for n, s in self.store._replay.shards.items() if s.writer == self.writer_id}
+        committed = {n for n, s in self.store.replay.shards.items() if s.writer == self.writer_id}
         seqs = [
             int(SEQ_PREFIX.match(Path(n).name).group(1)) for n in committed if SEQ_PREFIX.match(Path(n).name)
         ]
@@ -222,7 +221,7 @@ class ShardWriter:
             sample_id: unique id of the sample.
             hidden_states: ``[T, n_layers, H]`` in the storage dtype (uint16 for bfloat16; an
                 ml_dtypes bfloat16 array is accepted too), or the rows still in a file
-                (:class:`hsgen.hidden_file.FileRows`), read in pieces as they are written.
+                (:class:`hsgen.client.hidden_file.FileRows`), read in pieces as they are written.
             token_ids: ``[T]`` integer token ids.
             loss_mask: ``[T]`` 0/1 values; ``None`` means all ones.
             target_ids: ``[T]`` non-negative token ids, the verifier's greedy next token after

@@ -23,13 +23,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spectrain.data import Batch
+from spectrain.data.batch import Batch
 from spectrain.models.common import build_vocab_map, chain_metrics, draft_to_target_ids, stored_target_ids
-from spectrain.models.dflash import qwen3_layer_config, speculators_config
 from spectrain.models.layers import MLP, MaskSpec, PreparedMask, RMSNorm, apply_rope, rope_cos_sin
 from spectrain.models.registry import DraftConfig, DraftContext, DraftModel, register
+from spectrain.models.served_config import qwen3_layer_config, speculators_config
+from spectrain.models.verifier import VerifierHeads
 from spectrain.models.vocab_loss import VerifierTargets, verifier_targets, vocab_loss
-from spectrain.verifier import VerifierHeads
 
 log = logging.getLogger(__name__)
 

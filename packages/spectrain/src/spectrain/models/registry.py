@@ -21,8 +21,8 @@ from torch import nn
 from spectrain.models.layers import RMSNorm
 
 if TYPE_CHECKING:
-    from spectrain.data import Batch
-    from spectrain.verifier import VerifierHeads
+    from spectrain.data.batch import Batch
+    from spectrain.models.verifier import VerifierHeads
 
 log = logging.getLogger(__name__)
 
@@ -273,7 +273,7 @@ def get_config_class(name: str) -> type[DraftConfig]:
             if e.name != module:
                 raise
     if name not in _REGISTRY:
-        from spectrain.plugins import load_entry_point
+        from spectrain.models.plugins import load_entry_point
 
         load_entry_point(name)
     if name not in _REGISTRY:

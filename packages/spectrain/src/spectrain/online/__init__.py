@@ -1,10 +1,10 @@
 """Online and mixed training data: read what a store holds, fetch the rest from vLLM ahead of the trainer.
 
-:class:`OnlineSource` is a :class:`spectrain.data.SampleSource`. Its epoch plan comes from the
+:class:`OnlineSource` is a :class:`spectrain.data.sources.SampleSource`. Its epoch plan comes from the
 prompt files (stable ids, the same split and shuffle as offline training). For each planned
 sample it reads the offline store when the sample is there (the store may still be filling:
 another ``hsgen generate`` can be writing into it), and otherwise asks the vLLM servers for
-the hidden states through :class:`hsgen.client.HiddenStateClient`, on a background asyncio
+the hidden states through :class:`hsgen.client.fetch.HiddenStateClient`, on a background asyncio
 thread, a bounded window ahead of the trainer. With ``delete_consumed`` (the default
 ``persist_fetched``), a fetched sample is read once, from the server's file straight into its
 batch, and held until its step completes; otherwise (or with ``persist_fetched=True``) fetched

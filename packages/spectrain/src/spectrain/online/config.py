@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hsgen.client_types import normalize_endpoint
+from hsgen.client.config import normalize_endpoint
 
 log = logging.getLogger(__name__)
 
@@ -20,7 +20,7 @@ class OnlineConfig:
 
     Attributes:
         endpoints: vLLM (or ``hsgen serve``) base URLs, e.g. ``http://localhost:8000``.
-        prompts: dataset files (JSONL, JSON, Parquet) read with :func:`hsgen.inputs.read_inputs`.
+        prompts: dataset files (JSONL, JSON, Parquet) read with :func:`hsgen.inputs.formats.read_inputs`.
         store: the offline store: samples present there are read, never fetched. It may be
             empty, missing (pure online) or still being filled by ``hsgen generate``.
         verifier: local verifier directory: its tokenizer and chat template render the prompts.
@@ -51,7 +51,7 @@ class OnlineConfig:
         world_size: number of ranks.
         seed: shuffle seed of the epoch plan.
         validation_fraction: share of sample ids held out of the plan (by
-            :func:`spectrain.data.split_of`, as offline).
+            :func:`spectrain.data.sources.split_of`, as offline).
         shared_dir: the servers' ``shared_storage_path`` as seen from this machine.
         split: ``"train"`` or ``"validation"``: which ids the plan holds.
         max_len: longest prompt in tokens (vLLM needs ``max_model_len - 1``).
@@ -66,15 +66,15 @@ class OnlineConfig:
             configs redact it, and never print it).
         failures_path: JSONL file of samples that could not be produced
             (default ``<save_path>/online-failures-rank<r>.jsonl``).
-        client_options: extra :class:`hsgen.client.ClientConfig` fields (timeouts, retries, ...).
-        saturation: :class:`hsgen.saturate.SaturationConfig` fields: requests in flight per
+        client_options: extra :class:`hsgen.client.fetch.ClientConfig` fields (timeouts, retries, ...).
+        saturation: :class:`hsgen.client.saturate.SaturationConfig` fields: requests in flight per
             server adapt as in ``hsgen generate`` (queue just non-empty); ``{"concurrency": N}`` fixes it.
         shard_bytes: scratch shard size; default ``scratch_bytes / 8`` within [256 KiB, 8 MiB].
         flush_interval_s: longest a fetched sample waits in the writer buffer before commit.
         store_refresh_s: how often the offline store's manifests are re-read (mixed runs).
         endpoint_per_local_rank: each rank talks only to the ``LOCAL_RANK``-th of ``endpoints``
             (modulo their number): one node-local server per GPU. Endpoints may also be templates,
-            ``http://localhost:{8000+local_rank}`` (see :mod:`hsgen.launcher`).
+            ``http://localhost:{8000+local_rank}`` (see :mod:`hsgen.generate.launcher`).
     """
 
     endpoints: list[str]
@@ -115,7 +115,7 @@ class OnlineConfig:
 
     @classmethod
     def from_train_config(cls, cfg: Any, rank: int = 0, world_size: int = 1) -> OnlineConfig:
-        """Build from a :class:`spectrain.train_config.TrainConfig` (``--online`` runs).
+        """Build from a :class:`spectrain.train.config.TrainConfig` (``--online`` runs).
 
         ``cfg.online_options`` (``--online-option KEY=VALUE``) sets any other field of this class.
         Without a store and without ``layer_ids``, the layers are the draft's ``--target-layer-ids``
@@ -152,8 +152,8 @@ class OnlineConfig:
         return cls(**kwargs)
 
     def prompt_inputs(self) -> list[Any]:
-        """``prompts`` with dataset inputs as :class:`hsgen.hf_datasets.DatasetSpec` (split, max, streaming)."""
-        from hsgen.hf_datasets import as_input
+        """``prompts`` with dataset inputs as :class:`hsgen.inputs.hf_datasets.DatasetSpec` (split, max, streaming)."""
+        from hsgen.inputs.hf_datasets import as_input
 
         return [as_input(p, split=self.prompts_split, max_samples=self.max_prompts,
                          streaming=self.prompts_streaming) for p in self.prompts]  # fmt: skip
@@ -197,8 +197,8 @@ class OnlineConfig:
 def _node_local(kwargs: dict[str, Any], rank: int, world_size: int) -> list[str]:
     """The endpoints of this rank: templates expanded with its local rank, or the
     ``LOCAL_RANK``-th of the list with ``endpoint_per_local_rank``."""
-    from hsgen import protocol
-    from hsgen.launcher import Ranks, endpoints_for_rank, resolve_ranks
+    from hsgen.generate.launcher import Ranks, endpoints_for_rank, resolve_ranks
+    from hsgen.protocol import extraction as protocol
 
     try:
         launch = resolve_ranks(env=os.environ)
@@ -216,7 +216,7 @@ def _node_local(kwargs: dict[str, Any], rank: int, world_size: int) -> list[str]
 
 def _default_layer_ids(cfg: Any) -> list[int] | None:
     """The layers a pure online run asks the servers for (see :meth:`OnlineConfig.from_train_config`)."""
-    from hsgen import protocol
+    from hsgen.protocol import extraction as protocol
 
     draft = dict(getattr(cfg, "draft", None) or {})
     aux = draft.get("aux_layer_ids")

@@ -1,7 +1,7 @@
 """The request side of an online run, on its own asyncio thread: prompt -> request -> file.
 
-The same pipeline as ``hsgen generate``: prompts rendered by :class:`hsgen.render.ChatRenderer`,
-requests through :class:`hsgen.client.HiddenStateClient` paced by :class:`hsgen.saturate.Saturator`
+The same pipeline as ``hsgen generate``: prompts rendered by :class:`hsgen.inputs.render.ChatRenderer`,
+requests through :class:`hsgen.client.fetch.HiddenStateClient` paced by :class:`hsgen.client.saturate.Saturator`
 (requests in flight follow each server's queue), each validated sample handed to the
 :class:`~spectrain.online.landing.Lander`. What to request comes from the ledger: the samples of
 the window ahead of the trainer that are nowhere yet, within the scratch bound.
@@ -84,7 +84,7 @@ class Fetcher:
         self._render_pool.shutdown(wait=True)
 
     def _default_client(self):
-        from hsgen.client import ClientConfig, HiddenStateClient
+        from hsgen.client.fetch import ClientConfig, HiddenStateClient
 
         opts = dict(self.config.client_options)
         opts.setdefault("endpoints", list(self.config.endpoints))
@@ -95,8 +95,8 @@ class Fetcher:
             opts.setdefault("request_prefix", self.request_prefix)
         # every file is checked on its header against what the run expects, before it is read: the
         # store's header, or a new store's shape as hsgen generate has it (layer ids, the model's config)
-        from hsgen.store_shape import StoreShape
-        from hsgen.store_sink import expected_of
+        from hsgen.generate.sink import expected_of
+        from hsgen.generate.store_shape import StoreShape
 
         if self.stores.store is not None:
             expected = expected_of(self.stores.store)
@@ -158,7 +158,7 @@ class Fetcher:
         try:
             async with self.client_factory() as client:
                 self.client_prefix = getattr(client, "request_prefix", None)
-                from hsgen.saturate import SaturationConfig, Saturator
+                from hsgen.client.saturate import SaturationConfig, Saturator
 
                 probe = getattr(client, "probe", None)
                 if probe is not None:  # a dead or wrong endpoint fails here, in seconds
@@ -176,7 +176,7 @@ class Fetcher:
                         await asyncio.wait(set(tasks), timeout=10)
                     await self._sat.stop()
         except Exception as e:
-            from hsgen.client import FatalError
+            from hsgen.client.fetch import FatalError
 
             if isinstance(e, FatalError):  # a setting or a server: get() and header say it, once
                 log.debug("the hidden-state client stopped: %s", e)
@@ -215,8 +215,8 @@ class Fetcher:
                 ep = self.ledger.epoch
                 order = ep.ids[ep.cursor :] if ep is not None and ep.started else None
             order = order if order is not None else self.first_ids()
-            from hsgen.client import FatalError
-            from hsgen.render import RenderError
+            from hsgen.client.fetch import FatalError
+            from hsgen.inputs.render import RenderError
 
             last: Exception | None = None
             for sid in order[:8]:
@@ -282,7 +282,7 @@ class Fetcher:
             await self.lander.flush()
 
     def _render_many(self, ids: list[str]) -> None:
-        from hsgen.render import RenderError
+        from hsgen.inputs.render import RenderError
 
         for sid in ids:
             try:
@@ -302,7 +302,7 @@ class Fetcher:
         except asyncio.CancelledError:
             raise
         except Exception as e:
-            from hsgen.client import FatalError
+            from hsgen.client.fetch import FatalError
 
             with ledger.cond:  # one critical section (the lock is re-entrant): no refetch in between
                 ledger.inflight.pop(sid, None)

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from spectrain.data import split_of
+from spectrain.data.sources import split_of
 from spectrain.online.config import OnlineConfig
 
 log = logging.getLogger(__name__)
@@ -26,8 +26,8 @@ class PromptSet:
     """
 
     def __init__(self, config: OnlineConfig, inputs: dict[str, Any] | None = None):
-        from hsgen.inputs import read_inputs
-        from hsgen.render import ChatRenderer, RenderConfig
+        from hsgen.inputs.formats import read_inputs
+        from hsgen.inputs.render import ChatRenderer, RenderConfig
 
         self.inputs: dict[str, Any] = {}
         if inputs is not None:
@@ -65,7 +65,7 @@ class PromptSet:
         return self.renderer.fingerprint
 
     def render(self, sample_id: str):
-        """The sample's :class:`hsgen.render.RenderedPrompt` (raises ``RenderError``)."""
+        """The sample's :class:`hsgen.inputs.render.RenderedPrompt` (raises ``RenderError``)."""
         return self.renderer.render(self.inputs[sample_id])
 
     def source_of(self, sample_id: str) -> str:
@@ -74,7 +74,7 @@ class PromptSet:
 
     def token_ids(self, sample_id: str) -> tuple[np.ndarray, np.ndarray] | None:
         """``(token_ids, loss_mask)`` from rendering alone (None if it cannot be rendered)."""
-        from hsgen.render import RenderError
+        from hsgen.inputs.render import RenderError
 
         try:
             p = self.render(sample_id)

@@ -1,7 +1,7 @@
 """The trainer's side of an online run: wait until a sample is ready, then read it from where it is.
 
 ``get`` returns a :class:`hsgen.store.Sample`; ``locate`` returns a
-:class:`~spectrain.sample_reads.SampleRead` that the loader's reader threads run straight into the
+:class:`~spectrain.data.sample_reads.SampleRead` that the loader's reader threads run straight into the
 packed batch: a store read (the user's store, checksum checked; the scratch store, checked unless
 this run committed the sample itself) or a read of a fetched sample held for it (still in the
 server's file, or mapped; finite values checked piece by piece as it is copied).
@@ -15,11 +15,11 @@ import time
 import numpy as np
 
 from hsgen.store import Sample, StoreError
+from spectrain.data.sample_reads import ArrayRead, SampleRead, StoreRead, all_finite
 from spectrain.online.ledger import SampleLedger
 from spectrain.online.metrics import OnlineMetrics
 from spectrain.online.retention import Retention
 from spectrain.online.stores import OnlineStores
-from spectrain.sample_reads import ArrayRead, SampleRead, StoreRead, all_finite
 
 log = logging.getLogger(__name__)
 

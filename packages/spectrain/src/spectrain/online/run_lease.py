@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from hsgen.shared_dir import SharedDir, new_client_prefix
+from hsgen.client.shared_dir import SharedDir, new_client_prefix
 from hsgen.store.leases import Lease, LeaseConflict, acquire_lease, read_leases, sweep_dead_leases
 from spectrain.online.config import OnlineConfig
 

@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from hsgen.store import Sample, StoreHeader
-from spectrain.data import epoch_plan
+from spectrain.data.sample_reads import SampleRead
+from spectrain.data.sources import epoch_plan
 from spectrain.online.config import OnlineConfig
 from spectrain.online.fetcher import Fetcher
 from spectrain.online.landing import Lander
@@ -40,13 +41,12 @@ from spectrain.online.retention import Retention
 from spectrain.online.run_lease import RunLease
 from spectrain.online.scratch import dir_bytes
 from spectrain.online.stores import OnlineStores
-from spectrain.sample_reads import SampleRead
 
 log = logging.getLogger(__name__)
 
 
 class OnlineSource:
-    """A :class:`spectrain.data.SampleSource` that completes a store online from vLLM servers.
+    """A :class:`spectrain.data.sources.SampleSource` that completes a store online from vLLM servers.
 
     Thread model: ``plan``/``get``/``locate``/``consumed``/``close`` are called from the trainer's
     threads; fetching runs on a private asyncio thread; store writes and deletions on one I/O thread.
@@ -72,7 +72,7 @@ class OnlineSource:
             config: an :class:`OnlineConfig`, or a ``TrainConfig`` (see :meth:`OnlineConfig.from_train_config`).
             rank, world_size: override the config's (``TrainConfig`` has none: default 0 and 1).
             plan_fn: ``(all train ids, epoch) -> this rank's ordered ids``; default
-                :func:`spectrain.data.epoch_plan` with the config's seed, rank and world size
+                :func:`spectrain.data.sources.epoch_plan` with the config's seed, rank and world size
                 (the offline plan, so a store and its prompts give the same epochs).
             client_factory: builds the async client (``HiddenStateClient`` from the config by default).
             inputs: the prompts already read, by sample id (the validation source shares the
@@ -300,7 +300,7 @@ class OnlineSource:
         self.stores.refresh_main()
 
     def rendered(self, sample_id: str):
-        """The sample's :class:`hsgen.render.RenderedPrompt` (rendered locally, nothing fetched)."""
+        """The sample's :class:`hsgen.inputs.render.RenderedPrompt` (rendered locally, nothing fetched)."""
         return self.prompts.render(sample_id)
 
     def token_ids(self, sample_id: str):

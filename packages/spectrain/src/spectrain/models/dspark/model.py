@@ -17,13 +17,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spectrain.data import Batch
+from spectrain.data.batch import Batch
 from spectrain.models.common import chain_metrics, stored_target_ids
-from spectrain.models.dflash import DFlashConfig, DFlashDraft, speculators_config
+from spectrain.models.dflash import DFlashConfig, DFlashDraft
 from spectrain.models.dspark.heads import ConfidenceHead, MarkovHead
 from spectrain.models.dspark.loss import MixLoss, SlotWeighting, mix_loss, parse_loss_mix
 from spectrain.models.registry import DraftContext, DraftModel, register
-from spectrain.verifier import VerifierHeads
+from spectrain.models.served_config import speculators_config
+from spectrain.models.verifier import VerifierHeads
 
 MARKOV_HEADS = ("vanilla", "gated", "rnn")
 

@@ -1,0 +1,31 @@
+"""The request and file step: one prompt's hidden states fetched from vLLM servers
+(:mod:`~hsgen.client.fetch`), validated, and the server's files removed; retries, the circuit
+breaker, saturation and the shared directory behind it.
+
+The names of the module this folder was (``hsgen.client``) stay importable from it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = [
+    "STORAGE_DTYPES",
+    "CircuitBreaker",
+    "ClientConfig",
+    "FatalError",
+    "FetchError",
+    "FetchStopped",
+    "FetchedSample",
+    "HiddenStateClient",
+    "all_finite",
+    "normalize_endpoint",
+    "read_hidden_states_file",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        return getattr(importlib.import_module("hsgen.client.fetch"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,30 @@
+"""The offline pipeline: prompt -> request -> file -> shard -> manifest (:mod:`~hsgen.generate.pipeline`),
+its sink into the store, the run's report, and the other ways a store is filled.
+
+The names of the module this folder was (``hsgen.generate``) stay importable from it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = [
+    "EXIT_FAILURE",
+    "EXIT_INTERRUPTED",
+    "EXIT_OK",
+    "EXIT_PARTIAL",
+    "GenerateConfig",
+    "GenerateSummary",
+    "LazyStore",
+    "Skipped",
+    "default_failures_path",
+    "generate",
+    "rank_of",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        return getattr(importlib.import_module("hsgen.generate.pipeline"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,34 @@
+"""Training data: sample sources and the epoch plan (:mod:`~spectrain.data.sources`), the packed
+:class:`~spectrain.data.batch.Batch`, the loader that fills it, and speculators' caches as sources.
+
+The names of the module this folder was (``spectrain.data``) stay importable from it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = [
+    "LENGTH_SAMPLE",
+    "SPLITS",
+    "TORCH_DTYPES",
+    "Batch",
+    "PackedLoader",
+    "SampleSource",
+    "StoreSource",
+    "count_packed_sequences",
+    "epoch_plan",
+    "estimate_packed_sequences",
+    "plan_digest",
+    "sample_to_item",
+    "split_of",
+    "storage_to_torch",
+    "token_frequencies",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        return getattr(importlib.import_module("spectrain.data.sources"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

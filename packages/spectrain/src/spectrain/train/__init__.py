@@ -1,0 +1,40 @@
+"""Training: the loop (:mod:`~spectrain.train.loop`), its config and set-up, the optimizer step,
+optimizers, checkpoints, distribution, metrics and trackers, and the cost of a run before it runs.
+
+The names of the module this folder was (``spectrain.train``) stay importable from it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = [
+    "LATEST",
+    "REDACTED",
+    "SECRET_FIELDS",
+    "STATE_DIR",
+    "DistInfo",
+    "MetricSums",
+    "MetricsLog",
+    "StopSignals",
+    "TrainConfig",
+    "Trainer",
+    "build_source",
+    "check_tokenizer",
+    "find_resume",
+    "init_distributed",
+    "load_checkpoint_model",
+    "load_config_file",
+    "redact_secrets",
+    "resolve_device",
+    "resolve_layers",
+    "step_generator",
+    "train",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        return getattr(importlib.import_module("spectrain.train.loop"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
