@@ -150,16 +150,16 @@ async def _render_with_server(
     import aiohttp
 
     from hsgen.inputs.render_server import ServerRenderer, render_stream_with_server
-    from hsgen.protocol.extraction import auth_headers
+    from hsgen.protocol.extraction import ProtocolError, auth_headers, models_url, served_model_ids
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
         base = server.rstrip("/").removesuffix("/v1")
         if model is None:
             try:
-                async with session.get(base + "/v1/models", headers=auth_headers(api_key)) as r:
-                    model = (await r.json(content_type=None))["data"][0]["id"]
-            except (aiohttp.ClientError, KeyError, IndexError, TypeError, ValueError) as e:
-                raise click.ClickException(f"{base}/v1/models: no model id ({e}); pass --model") from None
+                async with session.get(models_url(base), headers=auth_headers(api_key)) as r:
+                    model = served_model_ids(await r.read())[0]
+            except (aiohttp.ClientError, ProtocolError) as e:
+                raise click.ClickException(f"{models_url(base)}: no model id ({e}); pass --model") from None
         renderer = ServerRenderer(base, model, api_key=api_key, template_kwargs=template_kwargs, max_len=max_len,
                                   on_too_long=on_too_long)  # fmt: skip
         try:

@@ -265,10 +265,11 @@ def _offline_parser() -> argparse.ArgumentParser:
 def _served_model(endpoint: str) -> str | None:
     import urllib.request
 
-    url = endpoint.rstrip("/").removesuffix("/v1") + "/v1/models"
+    from hsgen.protocol.extraction import models_url, served_model_ids
+
     try:
-        with urllib.request.urlopen(url, timeout=30) as r:  # noqa: S310 (the user's endpoint)
-            return json.loads(r.read())["data"][0]["id"]
+        with urllib.request.urlopen(models_url(endpoint), timeout=30) as r:  # noqa: S310 (the user's endpoint)
+            return served_model_ids(r.read())[0]
     except Exception:  # noqa: BLE001 (hsgen generate names an unreachable server itself)
         return None
 

@@ -232,7 +232,7 @@ class HiddenStateClient:
     async def _probe_one(self, url: str) -> str:
         import aiohttp
 
-        path = "/v1/models"
+        path = protocol.MODELS_PATH
         timeout = aiohttp.ClientTimeout(total=self.config.probe_timeout_s)
         try:
             async with self.session.get(url + path, headers=self._headers(), timeout=timeout) as r:
@@ -244,10 +244,10 @@ class HiddenStateClient:
             ) from None
         self._check_status(url, status, body)
         try:
-            served = [str(m["id"]) for m in json.loads(body)["data"]]
-            model = served[0]
-        except (ValueError, KeyError, IndexError, TypeError):
+            served = protocol.served_model_ids(body)
+        except protocol.ProtocolError:
             raise FatalError("bad_models", f"{url}{path} returned no model: {body[:200]!r}", url) from None
+        model = served[0]
         if self.config.model and self.config.model not in served:
             raise FatalError(
                 "bad_model",
@@ -278,12 +278,12 @@ class HiddenStateClient:
         ep = self.endpoints[url]
         async with ep.model_lock:
             if ep.model is None:
-                data = await self._get_json(url, "/v1/models")
+                data = await self._get_json(url, protocol.MODELS_PATH)
                 try:
-                    ep.model = str(data["data"][0]["id"])
-                except (KeyError, IndexError, TypeError):
+                    ep.model = protocol.served_model_ids(data)[0]
+                except protocol.ProtocolError:
                     raise FatalError(
-                        "bad_models", f"{url}/v1/models returned no model: {data!r:.200}", url
+                        "bad_models", f"{url}{protocol.MODELS_PATH} returned no model: {data!r:.200}", url
                     ) from None
         return ep.model
 

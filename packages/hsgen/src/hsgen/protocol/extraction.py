@@ -13,7 +13,7 @@ import os
 import re
 import struct
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
@@ -430,18 +430,20 @@ def parse_layer_ids(text: str) -> list[int]:
 # --------------------------------------------------------------------------- metrics
 
 
-def parse_prometheus(text: str) -> dict[str, float]:
-    """Sum each metric family of a Prometheus text exposition over its labels.
+_PROM_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
-    ``vllm:num_requests_waiting{model_name="x"} 3`` -> ``{"vllm:num_requests_waiting": 3.0}``.
-    """
-    values: dict[str, float] = {}
+
+def prometheus_samples(text: str) -> Iterator[tuple[str, dict[str, str], float]]:
+    """Each sample of a Prometheus text exposition as ``(name, labels, value)``; comments and lines
+    without a number are skipped. Quoted label values may hold spaces and braces."""
     for line in text.splitlines():
         line = line.strip()
         if not line or line.startswith("#"):
             continue
-        if "{" in line:  # quoted label values may hold spaces and braces: the value follows the last }
+        labels: dict[str, str] = {}
+        if "{" in line:  # the value follows the last }
             name, rest = line[: line.index("{")], line[line.rfind("}") + 1 :]
+            labels = dict(_PROM_LABEL.findall(line[line.index("{") + 1 : line.rfind("}")]))
         else:
             name, _, rest = line.partition(" ")
         value_text = rest.strip().split(" ")[0] if rest.strip() else ""
@@ -449,8 +451,44 @@ def parse_prometheus(text: str) -> dict[str, float]:
             value = float(value_text)
         except ValueError:
             continue
+        yield name, labels, value
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """Sum each metric family of a Prometheus text exposition over its labels.
+
+    ``vllm:num_requests_waiting{model_name="x"} 3`` -> ``{"vllm:num_requests_waiting": 3.0}``.
+    """
+    values: dict[str, float] = {}
+    for name, _, value in prometheus_samples(text):
         values[name] = values.get(name, 0.0) + value
     return values
+
+
+# --------------------------------------------------------------------------- models
+
+MODELS_PATH = "/v1/models"
+
+
+def models_url(endpoint: str) -> str:
+    """The ``GET /v1/models`` URL of a server given as ``http://host:port`` (``/v1`` suffix allowed)."""
+    return endpoint.rstrip("/").removesuffix("/v1") + MODELS_PATH
+
+
+def served_model_ids(body: bytes | str | Any) -> list[str]:
+    """The model ids a ``/v1/models`` answer lists (raw JSON or parsed), first the default one.
+
+    Raises:
+        ProtocolError: not an OpenAI model list, or an empty one.
+    """
+    try:
+        data = json.loads(body) if isinstance(body, (bytes, str)) else body
+        ids = [str(m["id"]) for m in data["data"]]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ProtocolError(f"not a model list ({type(e).__name__}: {e})") from None
+    if not ids:
+        raise ProtocolError("an empty model list")
+    return ids
 
 
 def server_extraction_config(layer_ids: Sequence[int], shared_storage_path: str) -> dict[str, Any]:

@@ -15,15 +15,13 @@ number of prompts sent).
 from __future__ import annotations
 
 import json
-import re
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-_SAMPLE = re.compile(r"^(?P<name>[A-Za-z_:][A-Za-z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)")
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+from hsgen.protocol.extraction import MODELS_PATH, ProtocolError, prometheus_samples, served_model_ids
 
 
 class EndpointError(RuntimeError):
@@ -51,12 +49,7 @@ def parse_metrics(text: str) -> SpecCounters:
     finished-request count (``vllm:request_success_total``)."""
     out = SpecCounters()
     seen = False
-    for line in text.splitlines():
-        m = _SAMPLE.match(line)
-        if m is None or line.startswith("#"):
-            continue
-        name, value = m["name"], float(m["value"])
-        labels = dict(_LABEL.findall(m["labels"] or ""))
+    for name, labels, value in prometheus_samples(text):
         if name == "vllm:spec_decode_num_drafts_total":
             out.drafts += value
             seen = True
@@ -98,11 +91,10 @@ def read_counters(url: str, api_key: str | None = None) -> SpecCounters:
 
 
 def served_model(url: str, api_key: str | None = None) -> str:
-    models = json.loads(_request(url, "/v1/models", api_key=api_key))
     try:
-        return models["data"][0]["id"]
-    except (KeyError, IndexError, TypeError):
-        raise EndpointError(f"{url}/v1/models: no model listed") from None
+        return served_model_ids(_request(url, MODELS_PATH, api_key=api_key))[0]
+    except ProtocolError as e:
+        raise EndpointError(f"{url}{MODELS_PATH}: no model listed ({e})") from None
 
 
 def complete(url: str, model: str, prompt_ids: Sequence[int], max_tokens: int, api_key: str | None = None,
