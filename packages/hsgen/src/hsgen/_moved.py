@@ -72,16 +72,21 @@ class _Alias(importlib.abc.Loader):
 
 
 class MovedFinder(importlib.abc.MetaPathFinder):
-    """Finds the old module paths of :data:`MOVED` and hands out the module at the new one."""
+    """Finds the old module paths of a table (old -> new) and hands out the module at the new one."""
+
+    def __init__(self, table: dict[str, str]) -> None:
+        self.table = table
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
-        new = MOVED.get(name)
+        new = self.table.get(name)
         if new is None:
             return None
         return importlib.util.spec_from_loader(name, _Alias(new))
 
 
-def install() -> None:
-    """Put :class:`MovedFinder` on ``sys.meta_path`` once."""
-    if not any(isinstance(f, MovedFinder) for f in sys.meta_path):
-        sys.meta_path.append(MovedFinder())
+def install(table: dict[str, str] | None = None) -> None:
+    """Put a :class:`MovedFinder` of ``table`` (default: hsgen's :data:`MOVED`) on ``sys.meta_path``
+    once (spectrain installs its own table through this)."""
+    table = MOVED if table is None else table
+    if not any(isinstance(f, MovedFinder) and f.table is table for f in sys.meta_path):
+        sys.meta_path.append(MovedFinder(table))

@@ -6,13 +6,6 @@ Nothing inside the packages imports an old path (``tests/test_house.py`` holds t
 
 from __future__ import annotations
 
-import importlib
-import importlib.abc
-import importlib.util
-import sys
-import warnings
-from typing import Any
-
 MOVED: dict[str, str] = {
     "spectrain.accounting": "spectrain.train.accounting",
     "spectrain.batch": "spectrain.data.batch",
@@ -46,35 +39,8 @@ MOVED: dict[str, str] = {
 }
 
 
-class _Alias(importlib.abc.Loader):
-    """Loads an old path as the module at its new one (its own ``__spec__`` kept)."""
-
-    def __init__(self, new: str) -> None:
-        self.new = new
-        self.spec: Any = None
-
-    def create_module(self, spec: Any) -> Any:
-        warnings.warn(f"{spec.name} moved to {self.new}; the old path goes in the next release",
-                      DeprecationWarning, stacklevel=2)  # fmt: skip
-        module = importlib.import_module(self.new)
-        self.spec = module.__spec__
-        return module
-
-    def exec_module(self, module: Any) -> None:
-        module.__spec__ = self.spec
-
-
-class MovedFinder(importlib.abc.MetaPathFinder):
-    """Finds the old module paths of :data:`MOVED` and hands out the module at the new one."""
-
-    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
-        new = MOVED.get(name)
-        if new is None:
-            return None
-        return importlib.util.spec_from_loader(name, _Alias(new))
-
-
 def install() -> None:
-    """Put :class:`MovedFinder` on ``sys.meta_path`` once."""
-    if not any(isinstance(f, MovedFinder) for f in sys.meta_path):
-        sys.meta_path.append(MovedFinder())
+    """Put a finder of :data:`MOVED` on ``sys.meta_path`` once (hsgen's machinery)."""
+    from hsgen import _moved
+
+    _moved.install(MOVED)
