@@ -135,3 +135,11 @@ def test_cpu_build_gets_the_api_server_line_and_our_connector(tiny_model_dir, tm
 def _mkdir(path):
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def test_the_source_and_repo_paths_name_the_checkout():
+    """vLLM's server finds hsgen through HSGEN_SRC on its PYTHONPATH, the tier its venv under REPO_ROOT."""
+    from hsgen.vllm.server import HSGEN_SRC, REPO_ROOT
+
+    assert (HSGEN_SRC / "hsgen" / "__init__.py").is_file()
+    assert (REPO_ROOT / "packages" / "hsgen" / "pyproject.toml").is_file()

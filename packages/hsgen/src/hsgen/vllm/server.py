@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-HSGEN_SRC = Path(__file__).resolve().parents[1]
+HSGEN_SRC = Path(__file__).resolve().parents[2]
 """The directory holding the ``hsgen`` package: on the vLLM server's ``PYTHONPATH`` it makes
 :mod:`hsgen.vllm_connector` importable there without installing anything into vLLM's venv."""
 
