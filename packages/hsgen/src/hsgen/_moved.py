@@ -11,6 +11,7 @@ import importlib.abc
 import importlib.util
 import sys
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 MOVED: dict[str, str] = {
@@ -82,6 +83,18 @@ class MovedFinder(importlib.abc.MetaPathFinder):
         if new is None:
             return None
         return importlib.util.spec_from_loader(name, _Alias(new))
+
+
+def forward(target: str, names: list[str]) -> Callable[[str], Any]:
+    """A package face's ``__getattr__`` (PEP 562): each of ``names`` taken from module ``target`` on
+    first use, so a folder still offers the names of the module it was without importing it."""
+
+    def __getattr__(name: str) -> Any:
+        if name in names:
+            return getattr(importlib.import_module(target), name)
+        raise AttributeError(f"module {target.rsplit('.', 1)[0]!r} has no attribute {name!r}")
+
+    return __getattr__
 
 
 def install(table: dict[str, str] | None = None) -> None:

@@ -7,8 +7,7 @@ The names of the module this folder was (``hsgen.client``) stay importable from 
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from hsgen._moved import forward
 
 __all__ = [
     "STORAGE_DTYPES",
@@ -24,8 +23,4 @@ __all__ = [
     "read_hidden_states_file",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    if name in __all__:
-        return getattr(importlib.import_module("hsgen.client.fetch"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = forward("hsgen.client.fetch", __all__)

@@ -34,7 +34,7 @@ from hsgen.client.errors import FatalError, FetchError
 from hsgen.client.phases import PhaseTimes, timer
 from hsgen.client.shared_dir import SharedDir, UnsafePath, lock_held, remove_own_file
 from hsgen.protocol import extraction as protocol
-from hsgen.protocol.dtypes import NONFINITE_FROM, STORAGE
+from hsgen.protocol.dtypes import STORAGE, all_finite
 from hsgen.protocol.prompt import RenderedPrompt
 from hsgen.store.fsutil import read_exact_into
 
@@ -126,21 +126,6 @@ class WrongStates(Exception):
     def __init__(self, message: str, fatal: bool):
         super().__init__(message)
         self.fatal = fatal  # the server's shape or dtype (every file would be wrong), not this file's tokens
-
-
-_NONFINITE_FROM = NONFINITE_FROM
-
-
-def all_finite(a: np.ndarray, dtype: str, chunk: int = 1 << 20) -> bool:
-    """Whether every value of ``a`` (storage dtype, logical ``dtype``) is finite: two max
-    reductions over the bits per ``chunk`` values, no temporary array."""
-    signed, pos, unsigned, neg = _NONFINITE_FROM[dtype]
-    flat = a.reshape(-1)
-    for i in range(0, flat.size, chunk):
-        part = flat[i : i + chunk]
-        if int(part.view(signed).max()) >= pos or int(part.view(unsigned).max()) >= neg:
-            return False
-    return True
 
 
 class NotReady(Exception):

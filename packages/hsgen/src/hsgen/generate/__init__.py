@@ -6,8 +6,7 @@ The names of the module this folder was (``hsgen.generate``) stay importable fro
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from hsgen._moved import forward
 
 __all__ = [
     "EXIT_FAILURE",
@@ -23,8 +22,4 @@ __all__ = [
     "rank_of",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    if name in __all__:
-        return getattr(importlib.import_module("hsgen.generate.pipeline"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = forward("hsgen.generate.pipeline", __all__)

@@ -175,10 +175,11 @@ def import_cache(
     A row already stored is not read again; its file, if the import record saw it with another
     size or mtime, is compared with the stored sample and a difference raises :class:`StaleCache`.
     """
-    from hsgen.client.hidden_file import NotReady, all_finite, read_hidden_states_file
+    from hsgen.client.hidden_file import NotReady, read_hidden_states_file
     from hsgen.inputs.render import ChatRenderer, RenderConfig
     from hsgen.progress import progress_bar
     from hsgen.protocol import extraction as protocol
+    from hsgen.protocol.dtypes import all_finite
     from hsgen.store import HiddenStateStore, StoreError
     from hsgen.store.store import HEADER_FILE
 

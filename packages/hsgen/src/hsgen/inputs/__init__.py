@@ -6,8 +6,7 @@ The names of the module this folder was (``hsgen.inputs``) stay importable from 
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from hsgen._moved import forward
 
 __all__ = [
     "InputError",
@@ -21,8 +20,4 @@ __all__ = [
     "sample_to_json",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    if name in __all__:
-        return getattr(importlib.import_module("hsgen.inputs.formats"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = forward("hsgen.inputs.formats", __all__)

@@ -7,8 +7,7 @@ The names of the module this folder was (``hsgen.protocol``) stay importable fro
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from hsgen._moved import forward
 
 __all__ = [
     "LOCK_SUFFIX",
@@ -44,8 +43,4 @@ __all__ = [
     "server_extraction_config",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    if name in __all__:
-        return getattr(importlib.import_module("hsgen.protocol.extraction"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = forward("hsgen.protocol.extraction", __all__)

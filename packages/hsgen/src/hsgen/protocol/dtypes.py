@@ -35,4 +35,17 @@ NONFINITE_FROM: dict[str, tuple[type, int, type, int]] = {
 of its width: positive non-finite values are the largest signed ones, negative ones the largest
 unsigned ones, so two max reductions check a buffer with no temporary."""
 
-__all__ = ["ALIASES", "HIDDEN_DTYPES", "NONFINITE_FROM", "STORAGE"]
+
+def all_finite(a: np.ndarray, dtype: str, chunk: int = 1 << 20) -> bool:
+    """Whether every value of ``a`` (storage dtype, logical ``dtype``) is finite: two max
+    reductions over the bits per ``chunk`` values, no temporary array."""
+    signed, pos, unsigned, neg = NONFINITE_FROM[dtype]
+    flat = a.reshape(-1)
+    for i in range(0, flat.size, chunk):
+        part = flat[i : i + chunk]
+        if int(part.view(signed).max()) >= pos or int(part.view(unsigned).max()) >= neg:
+            return False
+    return True
+
+
+__all__ = ["ALIASES", "HIDDEN_DTYPES", "NONFINITE_FROM", "STORAGE", "all_finite"]

@@ -298,7 +298,7 @@ class ShardBuilder:
                 ) from None
 
     def _check_finite(self, rows: np.ndarray, sample_id: str) -> None:
-        from hsgen.client.hidden_file import all_finite
+        from hsgen.protocol.dtypes import all_finite
 
         with timer(self.phases, "check_finite"):
             if not all_finite(rows, self.header.dtype):
@@ -307,7 +307,7 @@ class ShardBuilder:
     def _write_rows(self, stream: C.ChecksumStream, rows: Any, sample_id: str, check_finite: bool) -> None:
         """Read the stored rows piece by piece into the staging buffer, check and checksum each
         piece there, and write the buffer out as it fills; a rejected sample leaves nothing."""
-        from hsgen.client.hidden_file import all_finite
+        from hsgen.protocol.dtypes import all_finite
 
         out = self._rows
         assert out is not None

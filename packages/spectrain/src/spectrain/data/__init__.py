@@ -6,8 +6,7 @@ The names of the module this folder was (``spectrain.data``) stay importable fro
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from hsgen._moved import forward
 
 __all__ = [
     "LENGTH_SAMPLE",
@@ -27,8 +26,4 @@ __all__ = [
     "token_frequencies",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    if name in __all__:
-        return getattr(importlib.import_module("spectrain.data.sources"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = forward("spectrain.data.sources", __all__)

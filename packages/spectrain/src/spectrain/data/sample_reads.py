@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import torch
 
-from hsgen.protocol.dtypes import NONFINITE_FROM, STORAGE
+from hsgen.protocol.dtypes import STORAGE, all_finite
 from spectrain.data.batch import TORCH_DTYPES, numpy_view
 
 if TYPE_CHECKING:
@@ -187,15 +187,6 @@ def verify_sample_read(store: HiddenStateStore, sample_id: str, hidden: np.ndarr
         raise SampleRefused(str(e)) from e
     except (OSError, EOFError) as e:
         raise SampleRefused(f"store {store.path}: sample {sample_id!r}: {e}") from e
-
-
-def all_finite(a: np.ndarray, dtype: str) -> bool:
-    """Whether every value of ``a`` (hidden states in storage dtype, logical ``dtype``) is finite."""
-    if a.size == 0:
-        return True
-    signed, pos, unsigned, neg = NONFINITE_FROM[dtype]
-    flat = a.reshape(-1)
-    return int(flat.view(signed).max()) < pos and int(flat.view(unsigned).max()) < neg
 
 
 def fill_slot(read: SampleRead, hidden: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,

@@ -6,8 +6,7 @@ The names of the module this folder was (``spectrain.eval``) stay importable fro
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from hsgen._moved import forward
 
 __all__ = [
     "COUNTINGS",
@@ -27,8 +26,4 @@ __all__ = [
     "load_exported_draft",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    if name in __all__:
-        return getattr(importlib.import_module("spectrain.eval.decode"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = forward("spectrain.eval.decode", __all__)

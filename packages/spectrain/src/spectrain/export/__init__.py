@@ -6,8 +6,7 @@ The names of the module this folder was (``spectrain.export``) stay importable f
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from hsgen._moved import forward
 
 __all__ = [
     "WEIGHTS_NAME",
@@ -23,8 +22,4 @@ __all__ = [
     "export_draft",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    if name in __all__:
-        return getattr(importlib.import_module("spectrain.export.write"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = forward("spectrain.export.write", __all__)

@@ -14,8 +14,9 @@ import time
 
 import numpy as np
 
+from hsgen.protocol.dtypes import all_finite
 from hsgen.store import Sample, StoreError
-from spectrain.data.sample_reads import ArrayRead, SampleRead, StoreRead, all_finite
+from spectrain.data.sample_reads import ArrayRead, SampleRead, StoreRead
 from spectrain.online.ledger import SampleLedger
 from spectrain.online.metrics import OnlineMetrics
 from spectrain.online.retention import Retention

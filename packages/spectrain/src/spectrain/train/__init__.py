@@ -6,8 +6,7 @@ The names of the module this folder was (``spectrain.train``) stay importable fr
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from hsgen._moved import forward
 
 __all__ = [
     "LATEST",
@@ -33,8 +32,4 @@ __all__ = [
     "train",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    if name in __all__:
-        return getattr(importlib.import_module("spectrain.train.loop"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = forward("spectrain.train.loop", __all__)
