@@ -174,6 +174,15 @@ def _parser() -> argparse.ArgumentParser:
     return parser  # fmt: skip
 
 
+def results_path(work: Path, suffix: str) -> Path:
+    """``<work>/results<suffix>.json``, or ``results<suffix>-N.json`` with the first free ``N`` when an
+    earlier run sharing ``--work`` and ``--tag`` left one: its results are kept, never overwritten."""
+    out, n = work / f"results{suffix}.json", 2
+    while out.exists():
+        out, n = work / f"results{suffix}-{n}.json", n + 1
+    return out
+
+
 def _floats(text: str | None, flag: str) -> tuple[float | None, ...]:
     if not text:
         return (None,)
@@ -274,7 +283,9 @@ def main(argv: list[str] | None = None) -> int:
         }  # fmt: skip
         suffix = "".join(f"-{x}" for x in (args.tag or ("speculators" if args.recipe == "speculators" else ""),
                                            args.only or "") if x)  # fmt: skip
-        (work / f"results{suffix}.json").write_text(json.dumps(details, indent=2) + "\n")
+        out = results_path(work, suffix)
+        out.write_text(json.dumps(details, indent=2) + "\n")
+        log.info("results: %s", out)
         _print_draws(draws)
         for line in lines:
             print(line, file=sys.stderr)

@@ -141,9 +141,10 @@ SPECULATORS_OPTIMIZER = (
 SPECULATORS_RECIPE = {
     "dflash": "--target-mode hard --loss-weighting dpace --loss-norm count --anchor-rule packed "
     "--block-attention causal --sliding-window 2048 " + SPECULATORS_OPTIMIZER,
-    "dspark": "--anchor-rule packed --draft-option slot_mask=input --draft-option anchor_needs_label=false "
+    "dspark": "--target-mode soft --loss-weighting exp-decay --anchor-rule packed --draft-option slot_mask=input "
+    "--draft-option anchor_needs_label=false "
     "--loss-gamma 4 --block-attention causal --sliding-window 2048 " + SPECULATORS_OPTIMIZER,
-    "eagle3": "--target-mode soft --loss-norm count --loss-mask-on source --freeze-lm-head --norm-before-fc "
+    "eagle3": "--target-mode soft --loss-norm count --train-region loss --loss-mask-on source --freeze-lm-head --norm-before-fc "
     "--norm-output --ttt-step-loss-decay 1.0 --sliding-window 2048 " + SPECULATORS_OPTIMIZER,
 }
 """speculators 0.9.0's defaults as our options (tests/spectrain/models/test_differential_*.py prove them equal):

@@ -273,3 +273,16 @@ def test_merge_extends_a_sweep_with_rates_run_later(tmp_path, capsys):
         bench_quality.main(["--merge", str(first), str(later), str(lone)])
     with pytest.raises(SystemExit, match="not a bench_quality results file"):
         bench_quality.main(["--merge", str(tmp_path / "missing.json")])
+
+
+def test_a_later_run_never_overwrites_results(tmp_path):
+    import bench_quality
+
+    first = bench_quality.results_path(tmp_path, "-b")
+    assert first == tmp_path / "results-b.json"
+    first.write_text("{}")
+    second = bench_quality.results_path(tmp_path, "-b")
+    assert second == tmp_path / "results-b-2.json"
+    second.write_text("{}")
+    assert bench_quality.results_path(tmp_path, "-b") == tmp_path / "results-b-3.json"
+    assert bench_quality.results_path(tmp_path, "-g") == tmp_path / "results-g.json"

@@ -226,10 +226,11 @@ def test_default_recipe_differs_from_speculators_only_where_named(heads):
     cfg = get_config_class("dspark")(aux_layer_ids=AUX)
     peer_defaults = dict(block_size=8, sample_from_anchor=True, markov_rank=256, markov_head_type="vanilla",
                          enable_confidence_head=True, confidence_head_with_markov=True, confidence_head_alpha=1.0,
-                         loss_mix={"kl_div": 1.0}, target_mode="soft", loss_weighting="exp-decay",
-                         loss_norm="count", num_layers=5, max_anchors=512)  # fmt: skip
+                         loss_mix={"kl_div": 1.0}, loss_norm="count", num_layers=5, max_anchors=512)  # fmt: skip
     assert {k: getattr(cfg, k) for k in peer_defaults} == peer_defaults
     assert (cfg.slot_mask, cfg.anchor_needs_label, cfg.anchor_rule) == ("label", True, "document")
+    # the loss is our DFlash's (measured, docs/decisions.md), where speculators' is soft KL with fixed decay
+    assert (cfg.target_mode, cfg.loss_weighting, cfg.train_region) == ("hard", "dpace", "loss")
 
 
 # --------------------------------------------------------------------------- checkpoints both ways

@@ -37,7 +37,7 @@ DECAY = 0.7
 DOCS, PROMPTS, PAD = [16, 13, 11], [4, 5, 4], 4
 
 PEER_RECIPE = dict(target_mode="soft", loss_norm="count", loss_mask_on="source", freeze_lm_head=True,
-                   norm_before_fc=True, norm_output=True, norm_before_residual=True)  # fmt: skip
+                   norm_before_fc=True, norm_output=True, norm_before_residual=True, train_region="loss")  # fmt: skip
 
 
 @pytest.fixture(scope="module")

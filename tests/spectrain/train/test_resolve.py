@@ -13,10 +13,11 @@ def test_flags_win_over_the_file_and_defaults_fill_the_rest(tmp_path):
     conf = tmp_path / "run.json"
     conf.write_text(json.dumps({"store": "s", "verifier": str(tmp_path), "lr": 1e-3, "epochs": 2,
                                 "draft": {"max_anchors": 64}}))  # fmt: skip
-    cfg = resolve_train_config({"config": str(conf), "lr": 2e-3, "block_size": 4,
+    cfg = resolve_train_config({"config": str(conf), "lr": 2e-3, "block_size": 4, "train_region": "greedy",
                                 "draft_option": ["max_anchors=32", "loss-gamma=7"]})  # fmt: skip
     assert (cfg.lr, cfg.epochs, cfg.save_path) == (2e-3, 2, DEFAULT_SAVE_PATH)
     assert cfg.draft["block_size"] == 4 and cfg.draft["max_anchors"] == 32 and cfg.draft["loss_gamma"] == 7
+    assert cfg.draft["train_region"] == "greedy"
 
 
 @pytest.mark.parametrize(

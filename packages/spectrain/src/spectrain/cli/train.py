@@ -59,6 +59,7 @@ TRAIN_SECTIONS: dict[str, tuple[str, ...]] = {
     "Recipe (loss, anchors, attention, Eagle3 norms)": (
         "recipe", "loss_weighting", "dpace_alpha", "loss_gamma", "loss_norm", "anchor_rule", "block_attention",
         "sliding_window", "ttt_step_loss_decay", "loss_mask_on", "freeze_lm_head", "norm_before_fc", "norm_output",
+        "train_region",
     ),
     "Draft (algorithm options)": ("block_size", "max_anchors", "num_layers", "draft_vocab_size", "mask_token_id",
                                   "ttt_steps", "target_mode", "target_layer_ids", "target_layer_id", "draft_option"),
@@ -293,6 +294,12 @@ TRAIN_SECTIONS: dict[str, tuple[str, ...]] = {
     "--loss-mask-on",
     type=click.Choice(["label", "source"]),
     help="Eagle3: loss-mask slot of the predicted token or of the target's verifier position (default label).",
+)
+@click.option(
+    "--train-region",
+    type=click.Choice(["loss", "greedy"]),
+    help="Slots that train: where the loss mask is 1, or every slot a served draft reaches through the "
+    "verifier's greedy tokens, prompts included (default: greedy for Eagle3, loss for DFlash and DSpark).",
 )
 @click.option(
     "--freeze-lm-head/--no-freeze-lm-head",

@@ -168,3 +168,16 @@ def default_dflash_gamma(block_size: int) -> float:
         if b0 <= block_size <= b1:
             return g0 + (g1 - g0) * (block_size - b0) / (b1 - b0)
     return 7.0
+
+
+def greedy_reach(agree: torch.Tensor, starts: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Whether each label is reached from its start through the verifier's own greedy tokens.
+
+    ``agree [S]``: the token after slot ``s`` is the verifier's greedy choice at ``s``. A label at
+    slot ``L`` drafted from a start (anchor) at ``a < L`` is reached iff ``agree[a .. L - 2]`` all
+    hold (the tokens between them are greedy); ``L = a + 1`` always is. ``starts`` broadcasts
+    against ``labels``; the result has ``labels``' shape.
+    """
+    bad = F.pad(torch.cumsum((~agree).to(torch.int64), 0), (1, 0))
+    last = (labels - 1).clamp(min=0, max=agree.shape[0])
+    return bad[last] - bad[starts.clamp(max=agree.shape[0])] == 0

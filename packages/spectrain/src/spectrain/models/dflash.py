@@ -74,6 +74,10 @@ class DFlashConfig(DraftConfig):
     block_attention: str = "bidirectional"
     """Inside the block: ``bidirectional`` or ``causal`` (exported as
     ``sliding_window_non_causal``, which vLLM honours)."""
+    train_region: str = "loss"
+    """Which slots train: ``loss`` (anchors and labels where the loss mask is 1) or ``greedy``
+    (anchors anywhere in a document; slot ``k`` trains iff every token between the anchor and
+    its label is the verifier's own greedy token, so a served block could reach it)."""
 
     default_optimizer: ClassVar[str] = "muon"
 
@@ -82,6 +86,7 @@ class DFlashConfig(DraftConfig):
         self.choose("loss_weighting", ("exp-decay", "dpace"))
         self.choose("anchor_rule", ("document", "packed"))
         self.choose("block_attention", ("bidirectional", "causal"))
+        self.choose("train_region", ("loss", "greedy"))
         if not 0.0 < self.dpace_alpha <= 1.0:
             raise ValueError(f"dpace_alpha: must be in (0, 1], got {self.dpace_alpha}")
 
@@ -259,11 +264,10 @@ class DFlashDraft(DraftModel):
         """``[S]`` bool: the slots ``anchor_rule`` allows as anchors (loss mask 1 and room for a block)."""
         B = self.cfg.block_size
         slots = torch.arange(batch.seq_len, device=batch.input_ids.device)
+        trained = batch.loss_mask.bool() if self.cfg.train_region == "loss" else batch.doc_ids >= 0
         if self.cfg.anchor_rule == "packed":
-            return batch.loss_mask.bool() & (slots + B < batch.seq_len)
-        return (
-            batch.loss_mask & (batch.doc_ids >= 0) & (slots + B <= batch.doc_ends) & (batch.position_ids >= 1)
-        )
+            return trained & (slots + B < batch.seq_len)
+        return trained & (batch.doc_ids >= 0) & (slots + B <= batch.doc_ends) & (batch.position_ids >= 1)
 
     def draw_anchors(
         self, batch: Batch, generator: torch.Generator | None = None
@@ -327,8 +331,19 @@ class DFlashDraft(DraftModel):
                                mask, device)  # fmt: skip
         k = torch.arange(1, B, device=device)
         label_slots = (anchors[:, None] + k[None, :]).clamp(max=batch.seq_len - 1)
-        valid = batch.loss_mask[label_slots].bool() & anchor_valid[:, None]
+        if self.cfg.train_region == "loss":
+            valid = batch.loss_mask[label_slots].bool() & anchor_valid[:, None]
+        else:
+            in_doc = batch.doc_ids[label_slots] == batch.doc_ids[anchors][:, None]
+            valid = in_doc & (batch.doc_ids[label_slots] >= 0) & anchor_valid[:, None]
         return out[:, 1:], label_slots, valid
+
+    def greedy_path(self, batch: Batch, label_slots: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """``[N, K]`` bool: slot ``k``'s label is reached through the verifier's own greedy tokens
+        (every stored token between the anchor and the label equals the target of its slot)."""
+        agree = batch.input_ids[label_slots] == targets
+        path = torch.cumprod(agree.to(torch.int8), dim=1).bool()
+        return torch.cat([torch.ones_like(path[:, :1]), path[:, :-1]], dim=1)
 
     def position_weights(self, loss: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """``[N, B-1]`` loss weights (0 where not valid) of the configured ``loss_weighting``."""
@@ -364,6 +379,11 @@ class DFlashDraft(DraftModel):
             rows, pred, tgt = vocab_loss(h.reshape(N * K, -1), head, target_hidden, head, self.cfg.target_mode,
                                          target_softcap=self.verifier.softcap)  # fmt: skip
         rows = rows.view(N, K)
+        if self.cfg.train_region == "greedy":
+            ids = self._draft_ids()
+            valid = valid & self.greedy_path(
+                batch, label_slots, (tgt if ids is None else ids[tgt]).view(N, K)
+            )
         w = self.position_weights(rows, valid)
         weight_sum = valid.sum().to(rows.dtype) if self.cfg.loss_norm == "count" else w.sum()
         denom = weight_sum + 1e-5 if self.cfg.loss_norm == "count" else weight_sum.clamp_min(1e-6)

@@ -60,11 +60,31 @@ class Eagle3Config(DraftConfig):
     ``t + j + 2``) or the verifier position giving the target (``source``, ``t + j + 1``,
     speculators)."""
 
+    train_region: str = "greedy"
+    """Which slots train: ``greedy`` (every slot of a document whose label the chain reaches
+    through the verifier's own greedy tokens, prompts included) or ``loss`` (as ``loss_mask_on``
+    says). ``greedy`` is the default by measurement (docs/decisions.md)."""
+
     RETIRED: ClassVar[tuple[str, ...]] = ("logits_chunk",)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], *, where: str = "config") -> Eagle3Config:
+        """As :meth:`DraftConfig.from_dict`; options that name ``loss_mask_on`` but no ``train_region``
+        (a checkpoint's config from before ``train_region`` existed, or a run that sets the loss mask's
+        slot) train the loss region, the only one ``loss_mask_on`` applies to."""
+        if "loss_mask_on" in d and "train_region" not in d:
+            d = {**d, "train_region": "loss"}
+        return super().from_dict(d, where=where)
 
     def check(self) -> None:
         super().check()
         self.choose("loss_mask_on", ("label", "source"))
+        self.choose("train_region", ("loss", "greedy"))
+        if self.train_region == "greedy" and self.loss_mask_on != "label":
+            raise ValueError(
+                f"loss_mask_on: {self.loss_mask_on!r} applies to train_region 'loss' only (greedy "
+                "trains by the verifier's tokens, not the loss mask); set train_region='loss'"
+            )
         if self.ttt_steps < 1:
             raise ValueError(f"ttt_steps: must be >= 1, got {self.ttt_steps}")
 
@@ -215,6 +235,8 @@ class Eagle3Draft(DraftModel):
         src = slots + j + 1
         inside = (batch.doc_ids >= 0) & (src < batch.doc_ends)
         src_c = src.clamp(max=S - 1)
+        if self.cfg.train_region == "greedy":
+            return src_c, inside, inside & (slots + j + 2 < batch.doc_ends)
         if self.cfg.loss_mask_on == "source":
             return src_c, inside, inside & batch.loss_mask[src_c].bool()
         lab = slots + j + 2
@@ -257,6 +279,14 @@ class Eagle3Draft(DraftModel):
                 cfg.target_mode,
                 softcap=self.verifier.softcap,
             )
+        path = agree = None
+        if cfg.train_region == "greedy":
+            slots = torch.arange(S, device=device)
+            nxt = (slots + 1).clamp(max=S - 1)
+            agree = (slots + 1 < batch.doc_ends) & (batch.input_ids[nxt] == draft_ids[targets.ids])
+            if known is not None:
+                agree = agree & known
+            path = torch.ones(S, dtype=torch.bool, device=device)
         hidden = self.context_features(batch.aux_hidden.reshape(S, -1))
         keys, values = [], []
         total = hidden.new_zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32))
@@ -267,6 +297,9 @@ class Eagle3Draft(DraftModel):
             src_c, inside, valid = self.step_slots(batch, j)
             if known is not None:
                 valid = valid & known[src_c]
+            if path is not None:
+                valid = valid & path
+                path = path & agree[src_c]
             tok = torch.where(inside, batch.input_ids[src_c], torch.zeros_like(src_c))
             x, residual = self.layer.pre_attention(self._dtype_in(self.verifier.embed(tok)), hidden)
             rope = rope_cos_sin(batch.position_ids + j, self.head_dim, self.theta)

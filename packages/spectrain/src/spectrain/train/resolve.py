@@ -26,6 +26,7 @@ DRAFT_FLAGS = (
     "block_size", "max_anchors", "num_layers", "draft_vocab_size", "mask_token_id", "ttt_steps", "target_mode",
     "loss_weighting", "dpace_alpha", "loss_gamma", "loss_norm", "anchor_rule", "block_attention",
     "sliding_window", "ttt_step_loss_decay", "loss_mask_on", "freeze_lm_head", "norm_before_fc", "norm_output",
+    "train_region",
 )  # fmt: skip
 """Flags that set the draft's config field of the same name."""
 

@@ -18,13 +18,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from spectrain.data.batch import Batch
-from spectrain.models.common import chain_metrics, stored_target_ids
+from spectrain.models.common import chain_metrics, greedy_reach, stored_target_ids
 from spectrain.models.dflash import DFlashConfig, DFlashDraft
 from spectrain.models.dspark.heads import ConfidenceHead, MarkovHead
 from spectrain.models.dspark.loss import MixLoss, SlotWeighting, mix_loss, parse_loss_mix
 from spectrain.models.registry import DraftContext, DraftModel, register
 from spectrain.models.served_config import speculators_config
 from spectrain.models.verifier import VerifierHeads
+from spectrain.models.vocab_loss import verifier_targets
 
 MARKOV_HEADS = ("vanilla", "gated", "rnn")
 
@@ -35,11 +36,11 @@ class DSparkConfig(DFlashConfig):
     """DSpark options (DFlash's are documented on :class:`~spectrain.models.dflash.DFlashConfig`).
 
     The defaults are speculators 0.9.0's for ``--speculator-type dspark`` (block 8, anchor-first,
-    rank-256 vanilla Markov head, confidence head on its features, KL over the verifier's
-    distribution, fixed ``exp(-j / gamma)`` slot weights) except where speculators is wrong:
-    a slot trains where the token it predicts is trained (``slot_mask``) and an anchor is drawn
-    only where its first label is (``anchor_needs_label``). docs/algorithms.md has the measured
-    comparison.
+    rank-256 vanilla Markov head, confidence head on its features) except where speculators is
+    wrong (a slot trains where the token it predicts is trained, ``slot_mask``, and an anchor is
+    drawn only where its first label is, ``anchor_needs_label``) and its loss: ours is our DFlash's,
+    cross-entropy on the verifier's argmax weighted by D-PACE, where speculators' is KL over the
+    verifier's distribution with fixed ``exp(-j / gamma)`` weights (measured: docs/decisions.md).
     """
 
     block_size: int = 8
@@ -63,11 +64,11 @@ class DSparkConfig(DFlashConfig):
     """Weighted terms of the distribution-matching loss (speculators' ``--loss-fn``): ``ce``,
     ``kl_div``, ``tv``. DeepSpec's ``0.1 CE + 0.9 L1`` is ``{"ce": 0.1, "tv": 1.8}`` (TV is half
     the L1 distance)."""
-    target_mode: str = "soft"
-    """``soft``: the terms compare with the verifier's distribution; ``hard``: with its argmax as a
-    one-hot distribution (then ``kl_div`` is the cross-entropy and ``tv`` is ``1 - q(argmax)``; a
-    store of target ids only trains this way)."""
-    loss_weighting: str = "exp-decay"
+    target_mode: str = "hard"
+    """``hard``: the terms compare with the verifier's argmax as a one-hot distribution (then
+    ``kl_div`` is the cross-entropy and ``tv`` is ``1 - q(argmax)``; a store of target ids only
+    trains this way); ``soft``: with its distribution (speculators)."""
+    loss_weighting: str = "dpace"
     """``exp-decay``: the ``j``-th predicting slot weighs ``exp(-j / gamma)``; ``dpace``: D-PACE from
     the draft's own per-slot loss (the confidence BCE keeps the fixed decay, as speculators)."""
     slot_mask: str = "label"
@@ -147,19 +148,33 @@ class DSparkDraft(DFlashDraft):
         cfg: DSparkConfig = self.cfg
         S, B = batch.seq_len, cfg.block_size
         slots = torch.arange(S, device=batch.input_ids.device)
+        trained = self._trained(batch)
         if cfg.anchor_rule == "packed":
-            cand = batch.loss_mask.bool() & (slots + B < S)
+            cand = trained & (slots + B < S)
         else:
             last = slots + B - self.offset  # the block's last label
-            cand = (
-                batch.loss_mask.bool()
-                & (batch.doc_ids >= 0)
-                & (last < batch.doc_ends)
-                & (batch.position_ids >= 1)
-            )
+            cand = trained & (batch.doc_ids >= 0) & (last < batch.doc_ends) & (batch.position_ids >= 1)
         if cfg.anchor_needs_label:
-            cand = cand & batch.loss_mask.bool()[self._gate_slots(slots + 1).clamp(max=S - 1)]
+            cand = cand & trained[self._gate_slots(slots + 1).clamp(max=S - 1)]
         return cand
+
+    def _trained(self, batch: Batch) -> torch.Tensor:
+        """``[S]`` bool: the slots ``train_region`` trains (the loss mask, or every document slot)."""
+        return batch.loss_mask.bool() if self.cfg.train_region == "loss" else batch.doc_ids >= 0
+
+    def greedy_agree(self, batch: Batch) -> torch.Tensor:
+        """``[S]`` bool: the token after each slot is the verifier's greedy choice there (its stored
+        target id, or the argmax of its head over the last layer), inside one document."""
+        S = batch.seq_len
+        nxt = torch.arange(1, S + 1, device=batch.input_ids.device).clamp(max=S - 1)
+        if batch.target_ids is not None:
+            greedy = batch.target_ids
+        else:
+            with torch.no_grad():
+                greedy = verifier_targets(self.verifier.norm(batch.last_hidden), self.verifier.lm_head, "hard",
+                                          softcap=self.verifier.softcap).ids  # fmt: skip
+        same_doc = (batch.doc_ids[nxt] == batch.doc_ids) & (batch.doc_ids >= 0)
+        return same_doc & (batch.input_ids[nxt] == greedy)
 
     def _gate_slots(self, labels: torch.Tensor) -> torch.Tensor:
         """The slot whose loss mask gates a slot predicting ``labels``: the label itself, or (anchor-first
@@ -180,9 +195,12 @@ class DSparkDraft(DFlashDraft):
         prev = torch.maximum(labels_all - 1, anchors[:, None]).clamp(max=S - 1)
         labels = labels_all[:, off:].clamp(max=S - 1)
         inside = labels_all[:, off:] < S
-        valid = (
-            batch.loss_mask.bool()[self._gate_slots(labels).clamp(max=S - 1)] & inside & anchor_valid[:, None]
-        )
+        if self.cfg.train_region == "greedy":
+            same = batch.doc_ids[labels] == batch.doc_ids[anchors][:, None]
+            valid = same & inside & anchor_valid[:, None]
+        else:
+            gate = batch.loss_mask.bool()[self._gate_slots(labels).clamp(max=S - 1)]
+            valid = gate & inside & anchor_valid[:, None]
         return labels, valid, batch.input_ids[prev]
 
     def block_outputs(self, batch: Batch, anchors: torch.Tensor, anchor_valid: torch.Tensor, mask=None):
@@ -238,6 +256,8 @@ class DSparkDraft(DFlashDraft):
         anchors, anchor_valid, mask = draws
         h, u, emb, labels, valid = self.block_outputs(batch, anchors, anchor_valid, mask)
         N, K = labels.shape
+        if cfg.train_region == "greedy":
+            valid = valid & greedy_reach(self.greedy_agree(batch), anchors[:, None], labels)
         res, valid = self.vocabulary_loss(batch, h, u, labels, valid)
         acc = res.total.dtype
         count = valid.sum().to(acc)
@@ -287,6 +307,8 @@ class DSparkDraft(DFlashDraft):
             flops = flops + 2 * n * K * self.cfg.markov_rank * V * 3 + self.markov_head.flops(n * B, H, V)
         if self.confidence_head is not None:
             flops = flops + 2 * n * K * self.confidence_head.proj.in_features * 3
+        if self.cfg.train_region == "greedy" and batch.target_ids is None:
+            flops = flops + 2 * batch.seq_len * H * self.verifier.vocab_size  # the verifier's argmax
         return flops
 
     # ------------------------------------------------------------------ decoding
