@@ -22,12 +22,6 @@ KINDS = ("vanilla", "gated", "rnn")
 
 
 @pytest.fixture(scope="module")
-def heads(tiny_model_dir):
-    torch.set_num_threads(1)
-    return VerifierHeads.load(tiny_model_dir)
-
-
-@pytest.fixture(scope="module")
 def sharp_heads(heads):
     return VerifierHeads(heads.info, heads.embed_tokens, heads.norm_weight, heads.lm_head * 25)
 

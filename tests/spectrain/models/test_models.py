@@ -18,12 +18,6 @@ AUX = (1, 2, 3)
 
 
 @pytest.fixture(scope="module")
-def heads(tiny_model_dir):
-    torch.set_num_threads(1)
-    return VerifierHeads.load(tiny_model_dir)
-
-
-@pytest.fixture(scope="module")
 def sharp_heads(heads):
     """The tiny verifier with a 25x LM head: its random-init distributions become peaked, so
     greedy targets are learnable in a few dozen steps (a real verifier's already are)."""

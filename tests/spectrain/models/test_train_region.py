@@ -13,15 +13,8 @@ import torch
 from spectrain.data.sources import PackedLoader, StoreSource
 from spectrain.models import build_draft, get_config_class
 from spectrain.models.common import greedy_reach
-from spectrain.models.verifier import VerifierHeads
 
 AUX = (1, 2, 3)
-
-
-@pytest.fixture(scope="module")
-def heads(tiny_model_dir):
-    torch.set_num_threads(1)
-    return VerifierHeads.load(tiny_model_dir)
 
 
 @pytest.fixture(scope="module")
