@@ -129,6 +129,7 @@ def test_an_online_example_runs_with_our_commands(name, tmp_path, verifier, samp
     if "bestpractices" in name:
         assert (cfg["draft"]["loss_weighting"], cfg["draft"]["target_mode"]) == ("dpace", "hard")
     if kind == "dspark":
+        assert d["target_mode"] == "soft"  # its --loss-fn terms, as speculators computes them
         assert (d["markov_rank"], d["markov_head_type"], d["loss_mix"]) == (
             8,
             "vanilla",

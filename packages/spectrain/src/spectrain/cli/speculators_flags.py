@@ -157,7 +157,8 @@ def _loss_fn(t: Translation, values: list[str]) -> None:
         if not isinstance(mix, dict) or not mix or not set(mix) <= set(_DSPARK_TERMS):
             raise click.UsageError(f"--loss-fn {spec}: spectrain's dspark mixes {', '.join(_DSPARK_TERMS)} "
                                    "(a name or a JSON object such as '{\"ce\": 0.1, \"tv\": 1.8}'); no other loss")  # fmt: skip
-        t.tokens.extend(["--draft-option", "loss_mix=" + json.dumps(mix)])
+        # speculators' terms compare with the verifier's distribution: its meaning, not our hard default
+        t.tokens.extend(["--draft-option", "loss_mix=" + json.dumps(mix), "--target-mode", "soft"])
         return
     modes = {"ce": "hard", "kl_div": "soft"}
     if values[0] not in modes:
@@ -322,7 +323,8 @@ FLAGS: dict[str, Flag] = dict([
                                          "(fused) one; eager exists only as the tests' reference"))),
     ("--loss-fn", Flag("ce for dflash, kl_div otherwise", "`--target-mode hard` (ce) / `soft` (kl_div), default "
                        "hard; dspark: `--draft-option loss_mix=...` (ce, kl_div, tv or a JSON mix of them, default "
-                       "kl_div); other losses refused", _loss_fn)),
+                       "kl_div) with `--target-mode soft` (its terms compare with the verifier's distribution; "
+                       "without the flag our dspark trains hard); other losses refused", _loss_fn)),
     _same("--ttt-steps", "3", "`--ttt-steps`, default 3"),
     _same("--ttt-step-loss-decay", "1.0", "`--ttt-step-loss-decay`, default 0.8"),
     # -- optimizer
@@ -381,8 +383,7 @@ FLAGS: dict[str, Flag] = dict([
                                      "anchor is given)", _sample_from_anchor("--no-sample-from-anchor", False), 0)),
     ("--dflash-decay-gamma", Flag("4.0", "`--loss-gamma` (with --loss-weighting exp-decay), default 7/5/4 for "
                                   "B = 16/10/8", _to("--loss-gamma"))),
-    ("--per-position-loss-weight", Flag("dpace for dflash", "`--loss-weighting dpace|exp-decay`, default dpace "
-                                        "(dflash), exp-decay (dspark)",
+    ("--per-position-loss-weight", Flag("dpace for dflash", "`--loss-weighting dpace|exp-decay`, default dpace",
                                         _to("--loss-weighting", {"dpace": "dpace",
                                                                  "fixed-exp-decay": "exp-decay"}))),
     _same("--dpace-alpha", "0.5", "`--dpace-alpha`, default 0.5"),
