@@ -109,12 +109,12 @@ def test_dspark_greedy_trains_exactly_the_reachable_slots(heads, greedy_batch):
 
 
 def test_greedy_reach_matches_its_definition():
-    agree = torch.tensor([True, False, True, True, False, True])
-    for a in range(6):
-        for lab in range(a + 1, 7):
-            want = all(bool(agree[s]) for s in range(a, lab - 1))
-            got = bool(greedy_reach(agree, torch.tensor(a), torch.tensor(lab)))
-            assert got == want, (a, lab)
+    agree = torch.tensor([[True, False, True, True], [True, True, True, False], [False, True, True, True]])
+    got = greedy_reach(agree)
+    for n in range(agree.shape[0]):
+        for k in range(agree.shape[1]):
+            want = all(bool(agree[n, i]) for i in range(k))
+            assert bool(got[n, k]) == want, (n, k)
 
 
 def test_train_region_is_checked(heads):

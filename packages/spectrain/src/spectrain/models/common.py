@@ -170,14 +170,12 @@ def default_dflash_gamma(block_size: int) -> float:
     return 7.0
 
 
-def greedy_reach(agree: torch.Tensor, starts: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Whether each label is reached from its start through the verifier's own greedy tokens.
+def greedy_reach(agree: torch.Tensor) -> torch.Tensor:
+    """``[N, K]`` bool: whether each block's slot ``k`` is reached through the verifier's own greedy
+    tokens, given ``agree [N, K]`` (slot ``k``'s label token is the verifier's greedy choice before it).
 
-    ``agree [S]``: the token after slot ``s`` is the verifier's greedy choice at ``s``. A label at
-    slot ``L`` drafted from a start (anchor) at ``a < L`` is reached iff ``agree[a .. L - 2]`` all
-    hold (the tokens between them are greedy); ``L = a + 1`` always is. ``starts`` broadcasts
-    against ``labels``; the result has ``labels``' shape.
+    Slot ``k`` is reached iff every earlier slot's label agrees (a served block is accepted up to it);
+    the first slot always is.
     """
-    bad = F.pad(torch.cumsum((~agree).to(torch.int64), 0), (1, 0))
-    last = (labels - 1).clamp(min=0, max=agree.shape[0])
-    return bad[last] - bad[starts.clamp(max=agree.shape[0])] == 0
+    path = torch.cumprod(agree.to(torch.int8), dim=1).bool()
+    return torch.cat([torch.ones_like(path[:, :1]), path[:, :-1]], dim=1)

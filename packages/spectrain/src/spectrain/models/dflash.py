@@ -29,6 +29,7 @@ from spectrain.models.common import (
     default_dflash_gamma,
     dpace_weights,
     draft_to_target_ids,
+    greedy_reach,
     loss_decay_weights,
     stored_target_ids,
 )
@@ -261,13 +262,18 @@ class DFlashDraft(DraftModel):
         return self.norm(x).view(N, B, -1)
 
     def anchor_candidates(self, batch: Batch) -> torch.Tensor:
-        """``[S]`` bool: the slots ``anchor_rule`` allows as anchors (loss mask 1 and room for a block)."""
+        """``[S]`` bool: the slots ``anchor_rule`` allows as anchors (trained, :meth:`trained_slots`, and
+        room for a block)."""
         B = self.cfg.block_size
         slots = torch.arange(batch.seq_len, device=batch.input_ids.device)
-        trained = batch.loss_mask.bool() if self.cfg.train_region == "loss" else batch.doc_ids >= 0
+        trained = self.trained_slots(batch)
         if self.cfg.anchor_rule == "packed":
             return trained & (slots + B < batch.seq_len)
         return trained & (batch.doc_ids >= 0) & (slots + B <= batch.doc_ends) & (batch.position_ids >= 1)
+
+    def trained_slots(self, batch: Batch) -> torch.Tensor:
+        """``[S]`` bool: the slots ``train_region`` trains (the loss mask, or every document slot)."""
+        return batch.loss_mask.bool() if self.cfg.train_region == "loss" else batch.doc_ids >= 0
 
     def draw_anchors(
         self, batch: Batch, generator: torch.Generator | None = None
@@ -338,13 +344,6 @@ class DFlashDraft(DraftModel):
             valid = in_doc & (batch.doc_ids[label_slots] >= 0) & anchor_valid[:, None]
         return out[:, 1:], label_slots, valid
 
-    def greedy_path(self, batch: Batch, label_slots: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """``[N, K]`` bool: slot ``k``'s label is reached through the verifier's own greedy tokens
-        (every stored token between the anchor and the label equals the target of its slot)."""
-        agree = batch.input_ids[label_slots] == targets
-        path = torch.cumprod(agree.to(torch.int8), dim=1).bool()
-        return torch.cat([torch.ones_like(path[:, :1]), path[:, :-1]], dim=1)
-
     def position_weights(self, loss: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """``[N, B-1]`` loss weights (0 where not valid) of the configured ``loss_weighting``."""
         cfg: DFlashConfig = self.cfg
@@ -381,9 +380,8 @@ class DFlashDraft(DraftModel):
         rows = rows.view(N, K)
         if self.cfg.train_region == "greedy":
             ids = self._draft_ids()
-            valid = valid & self.greedy_path(
-                batch, label_slots, (tgt if ids is None else ids[tgt]).view(N, K)
-            )
+            agree = batch.input_ids[label_slots] == (tgt if ids is None else ids[tgt]).view(N, K)
+            valid = valid & greedy_reach(agree)
         w = self.position_weights(rows, valid)
         weight_sum = valid.sum().to(rows.dtype) if self.cfg.loss_norm == "count" else w.sum()
         denom = weight_sum + 1e-5 if self.cfg.loss_norm == "count" else weight_sum.clamp_min(1e-6)

@@ -148,7 +148,7 @@ class DSparkDraft(DFlashDraft):
         cfg: DSparkConfig = self.cfg
         S, B = batch.seq_len, cfg.block_size
         slots = torch.arange(S, device=batch.input_ids.device)
-        trained = self._trained(batch)
+        trained = self.trained_slots(batch)
         if cfg.anchor_rule == "packed":
             cand = trained & (slots + B < S)
         else:
@@ -157,10 +157,6 @@ class DSparkDraft(DFlashDraft):
         if cfg.anchor_needs_label:
             cand = cand & trained[self._gate_slots(slots + 1).clamp(max=S - 1)]
         return cand
-
-    def _trained(self, batch: Batch) -> torch.Tensor:
-        """``[S]`` bool: the slots ``train_region`` trains (the loss mask, or every document slot)."""
-        return batch.loss_mask.bool() if self.cfg.train_region == "loss" else batch.doc_ids >= 0
 
     def greedy_agree(self, batch: Batch) -> torch.Tensor:
         """``[S]`` bool: the token after each slot is the verifier's greedy choice there (its stored
@@ -257,7 +253,7 @@ class DSparkDraft(DFlashDraft):
         h, u, emb, labels, valid = self.block_outputs(batch, anchors, anchor_valid, mask)
         N, K = labels.shape
         if cfg.train_region == "greedy":
-            valid = valid & greedy_reach(self.greedy_agree(batch), anchors[:, None], labels)
+            valid = valid & greedy_reach(self.greedy_agree(batch)[labels - 1])
         res, valid = self.vocabulary_loss(batch, h, u, labels, valid)
         acc = res.total.dtype
         count = valid.sum().to(acc)
